@@ -1,0 +1,48 @@
+"""The ``hmakv`` command: one entry point, one subcommand per service or tool.
+
+Each subcommand lives in ``hmakv/commands/<name>.py`` and exposes ``register(subparsers)``, which
+adds its parser and sets ``func`` (a callable taking the parsed args and returning an exit code).
+Exit codes: 0 success, 1 runtime failure, 2 bad usage or bad input (argparse's own convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS = ("kafka", "decode", "hash")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hmakv",
+        description="HMA-aware KV-cache event pipeline: producer, bridge, index, demo.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("HMAKV_LOG_LEVEL", "INFO"),
+        help="logging level (env HMAKV_LOG_LEVEL, default INFO)",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"hmakv.commands.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
