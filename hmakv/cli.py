@@ -2,6 +2,7 @@
 
 Each subcommand lives in ``hmakv/commands/<name>.py`` and exposes ``register(subparsers)``, which
 adds its parser and sets ``func`` (a callable taking the parsed args and returning an exit code).
+Subcommands are discovered from that package, so adding one never touches this file.
 Exit codes: 0 success, 1 runtime failure, 2 bad usage or bad input (argparse's own convention).
 """
 
@@ -11,10 +12,15 @@ import argparse
 import importlib
 import logging
 import os
+import pkgutil
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS = ("kafka", "decode", "hash")
+import hmakv.commands
+
+
+def subcommand_names() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(hmakv.commands.__path__))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging level (env HMAKV_LOG_LEVEL, default INFO)",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in SUBCOMMANDS:
+    for name in subcommand_names():
         importlib.import_module(f"hmakv.commands.{name}").register(subparsers)
     return parser
 

@@ -77,3 +77,17 @@ GROUP_KINDS = (
     "cross_attention",
     "unknown",
 )
+
+
+class GroupSpec(msgspec.Struct, frozen=True, gc=False):
+    """One KV-cache group: what a consumer needs to apply vLLM's hit rule to it.
+
+    ``kind`` and ``sliding_window`` travel on stores (``kv_cache_spec_kind``,
+    ``kv_cache_spec_sliding_window``) and ``block_size`` is the store's ``block_size``;
+    ``chunk_size`` (chunked local attention) does not travel on the wire and comes from config.
+    """
+
+    kind: str
+    block_size: int
+    sliding_window: int | None = None
+    chunk_size: int | None = None
