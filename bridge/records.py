@@ -1,0 +1,165 @@
+"""The Kafka record contract: topic names, keys, headers and value structs.
+
+The bridge writes these records and the consumers read them; nothing else defines a record.
+
+- ``<prefix>.events``: one ``EventRecord`` per (engine batch, cache group), key
+  ``"<worker>/<group_idx>"`` so that one worker's group keeps its order in one partition.
+- ``<prefix>.workers`` (compacted): one ``WorkerState`` per worker, key ``"<worker>"``.
+- ``<prefix>.deadletter``: one ``DeadLetter`` per frame the bridge could not decode.
+
+Delivery is at least once; a consumer makes it exactly-once in effect by ignoring any
+(worker, epoch, group) record whose seq it has already applied.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from producer.events import GroupSpec, KVEvent
+
+DEFAULT_TOPIC_PREFIX = "hmakv"
+
+Health = Literal["live", "replaying", "degraded"]
+HEALTH_STATES: tuple[Health, ...] = ("live", "replaying", "degraded")
+
+
+class Topics(msgspec.Struct, frozen=True):
+    """The topic names for one deployment, all derived from one prefix."""
+
+    prefix: str = DEFAULT_TOPIC_PREFIX
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}.events"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}.workers"
+
+    @property
+    def deadletter(self) -> str:
+        return f"{self.prefix}.deadletter"
+
+    @property
+    def snapshots(self) -> str:
+        return f"{self.prefix}.snapshots"
+
+
+def worker_id(name: str, data_parallel_rank: int | None) -> str:
+    """A worker per engine endpoint, or per DP rank when the endpoint has several ranks.
+
+    ``/`` separates worker and group in keys, so it may not appear in a name.
+    """
+    if "/" in name or not name:
+        raise ValueError(f"worker name must be non-empty and contain no '/': {name!r}")
+    return name if data_parallel_rank is None else f"{name}-dp{data_parallel_rank}"
+
+
+def event_key(worker: str, group_idx: int) -> bytes:
+    return f"{worker}/{group_idx}".encode()
+
+
+def parse_event_key(key: bytes) -> tuple[str, int]:
+    """Inverse of ``event_key``; raises ``RecordDecodeError`` on a malformed key."""
+    worker, sep, group = key.decode("utf-8", "replace").rpartition("/")
+    if not sep or not worker or not group.isdigit():
+        raise RecordDecodeError(f"malformed event key {key!r}: expected b'<worker>/<group>'")
+    return worker, int(group)
+
+
+class EventRecord(msgspec.Struct, frozen=True, gc=False):
+    """One engine batch's events for one cache group, in the engine's order.
+
+    ``seq`` is the engine publisher's sequence number of the batch; ``epoch`` is raised by the
+    bridge each time that worker's sequence restarts, so two lives of one engine never mix. A
+    clear of the worker arrives as a record whose events are ``[AllBlocksCleared()]`` in every
+    known group.
+    """
+
+    worker: str
+    epoch: int
+    seq: int
+    ts: float
+    group_idx: int
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        """Kafka headers repeating the routing fields, for tools that do not decode values."""
+        return [
+            ("worker", self.worker.encode()),
+            ("group", str(self.group_idx).encode()),
+            ("epoch", str(self.epoch).encode()),
+            ("seq", str(self.seq).encode()),
+        ]
+
+
+class WorkerState(msgspec.Struct, frozen=True, gc=False):
+    """The bridge's view of one worker, compacted to the latest per worker.
+
+    ``last_seq`` is the last engine seq forwarded in ``epoch`` (-1 before the first); a bridge
+    restarting resumes replay from ``last_seq + 1``. ``groups`` maps group_idx to its spec as
+    learned from stores (or configured).
+    """
+
+    worker: str
+    epoch: int
+    last_seq: int
+    health: Health
+    groups: dict[int, GroupSpec]
+    ts: float
+    data_parallel_rank: int | None = None
+    endpoint: str | None = None
+
+    def key(self) -> bytes:
+        return self.worker.encode()
+
+
+class DeadLetter(msgspec.Struct, frozen=True, gc=False):
+    """A ZMQ message the bridge could not use, kept raw with the reason it was rejected."""
+
+    source: str
+    reason: str
+    detail: str
+    frames: list[bytes]
+    ts: float
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return [("source", self.source.encode()), ("reason", self.reason.encode())]
+
+
+class RecordDecodeError(ValueError):
+    """A Kafka record that is not a valid hmakv record; the message says what was wrong."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_event_decoder = msgspec.msgpack.Decoder(EventRecord)
+_worker_decoder = msgspec.msgpack.Decoder(WorkerState)
+_deadletter_decoder = msgspec.msgpack.Decoder(DeadLetter)
+
+
+def encode(record: EventRecord | WorkerState | DeadLetter) -> bytes:
+    return _encoder.encode(record)
+
+
+def decode_event_record(value: bytes) -> EventRecord:
+    try:
+        return _event_decoder.decode(value)
+    except msgspec.DecodeError as exc:
+        raise RecordDecodeError(f"bad event record: {exc}") from exc
+
+
+def decode_worker_state(value: bytes) -> WorkerState:
+    try:
+        return _worker_decoder.decode(value)
+    except msgspec.DecodeError as exc:
+        raise RecordDecodeError(f"bad worker state: {exc}") from exc
+
+
+def decode_dead_letter(value: bytes) -> DeadLetter:
+    try:
+        return _deadletter_decoder.decode(value)
+    except msgspec.DecodeError as exc:
+        raise RecordDecodeError(f"bad dead letter: {exc}") from exc

@@ -1,0 +1,200 @@
+"""vLLM-compatible prefix-cache block hashes, recomputed outside the engine.
+
+A router can only ask "which worker holds this prompt's prefix?" if it computes the very hashes the
+engine put on the wire. vLLM chains them: block i hashes ``(parent digest, block tokens, extra
+keys)``, the first block's parent being ``NONE_HASH``, a digest of the seed (``PYTHONHASHSEED``).
+Only the CBOR-based functions serialize the same way in every process; the pickle-based ``sha256``
+and ``xxhash`` are refused, as their bytes depend on the engine's Python and are not a contract.
+Reference: ``vllm/v1/core/kv_cache_utils.py`` and ``vllm/utils/hashing.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import cbor2
+import xxhash
+
+# One block's extra keys as vLLM builds them: a tuple, or None when the block has none.
+BlockExtraKeys = tuple[object, ...] | None
+
+EXTERNAL_HASH_BYTES = 8
+
+
+def _sha256_digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+_DIGESTS: dict[str, Callable[[bytes], bytes]] = {
+    "sha256_cbor": _sha256_digest,
+    "xxhash_cbor": xxhash.xxh3_128_digest,
+}
+
+# vLLM's pickle-based functions: their bytes depend on the engine's Python and pickle protocol.
+_ENGINE_ONLY = frozenset({"sha256", "xxhash"})
+
+HASH_FUNCTIONS = tuple(_DIGESTS)
+
+
+class UnsupportedHashFunction(ValueError):
+    """The named hash function cannot be reproduced here (pickle-based or unknown)."""
+
+
+def _digest_for(hash_fn: str) -> Callable[[bytes], bytes]:
+    digest = _DIGESTS.get(hash_fn)
+    if digest is not None:
+        return digest
+    supported = ", ".join(HASH_FUNCTIONS)
+    if hash_fn in _ENGINE_ONLY:
+        raise UnsupportedHashFunction(
+            f"hash function {hash_fn!r} hashes a Python pickle and cannot be reproduced outside "
+            f"the engine process; start vLLM with --prefix-caching-hash-algo set to one of "
+            f"{supported} and a fixed PYTHONHASHSEED"
+        )
+    raise UnsupportedHashFunction(f"unknown hash function {hash_fn!r}; supported: {supported}")
+
+
+def _cbor_hash(digest: Callable[[bytes], bytes], value: object) -> bytes:
+    return digest(cbor2.dumps(value, canonical=True))
+
+
+def external(block_hash: bytes) -> int:
+    """The int vLLM puts on the wire for a digest: its last 8 bytes, unsigned big-endian.
+
+    It can exceed 2**63 - 1, so it travels as a msgpack uint64.
+    """
+    return int.from_bytes(block_hash[-EXTERNAL_HASH_BYTES:], "big")
+
+
+class BlockHasher:
+    """Chained block hashing for one (hash function, seed) pair.
+
+    Built once and reused: ``NONE_HASH`` and the digest are resolved here so that the per-block
+    path is one CBOR encode and one digest.
+    """
+
+    __slots__ = ("_digest", "hash_fn", "none_hash", "seed")
+
+    def __init__(self, hash_fn: str = "sha256_cbor", seed: str = "0") -> None:
+        self._digest = _digest_for(hash_fn)
+        self.hash_fn = hash_fn
+        self.seed = seed
+        self.none_hash: bytes = _cbor_hash(self._digest, seed)
+
+    def __repr__(self) -> str:
+        return f"BlockHasher(hash_fn={self.hash_fn!r}, seed={self.seed!r})"
+
+    def block_hashes(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        extra_keys: Sequence[BlockExtraKeys] | None = None,
+        parent: bytes | None = None,
+    ) -> list[bytes]:
+        """Digests of the full blocks of ``token_ids``; a trailing partial block is not hashed.
+
+        ``parent`` continues a chain (the digest of the block before ``token_ids[0]``).
+        ``extra_keys[i]`` belongs to block i and must cover every full block; entries beyond them
+        are ignored, since an engine knows a block's keys before the block fills.
+        """
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        num_blocks = len(token_ids) // block_size
+        if extra_keys is not None and len(extra_keys) < num_blocks:
+            raise ValueError(
+                f"extra_keys has {len(extra_keys)} entries for {num_blocks} full blocks"
+            )
+        # CBOR encodes lists and tuples alike, so list slices hash as vLLM's tuples do.
+        tokens = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
+        digest = self._digest
+        dumps = cbor2.dumps
+        previous = parent or self.none_hash
+        hashes: list[bytes] = []
+        for index in range(num_blocks):
+            start = index * block_size
+            keys = extra_keys[index] if extra_keys is not None else None
+            block = (previous, tokens[start : start + block_size], keys or None)
+            previous = digest(dumps(block, canonical=True))
+            hashes.append(previous)
+        return hashes
+
+
+def group_block_hashes(
+    hashes: Sequence[bytes], hash_block_size: int, group_block_size: int
+) -> list[bytes]:
+    """Hashes of a group whose blocks span several hash blocks, as vLLM derives them.
+
+    vLLM hashes at the finest block size and gives a larger block the concatenation of its
+    sub-blocks' digests, so its external int is the one of its last sub-block. Sub-blocks that do
+    not fill a group block are dropped.
+    """
+    if hash_block_size <= 0 or group_block_size % hash_block_size:
+        raise ValueError(
+            f"group block size {group_block_size} is not a multiple of "
+            f"hash block size {hash_block_size}"
+        )
+    scale = group_block_size // hash_block_size
+    if scale == 1:
+        return list(hashes)
+    return [
+        b"".join(hashes[start : start + scale])
+        for start in range(0, len(hashes) - scale + 1, scale)
+    ]
+
+
+class MultiModalSpan(NamedTuple):
+    """Where one multimodal item sits in the prompt: vLLM's identifier and placeholder range."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+def block_extra_keys(
+    num_blocks: int,
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    mm_spans: Sequence[MultiModalSpan] = (),
+    cache_salt: str | None = None,
+) -> list[BlockExtraKeys]:
+    """Per-block extra keys, in vLLM's order: LoRA name, multimodal items, cache salt.
+
+    A multimodal item contributes ``(identifier, offset relative to the block start)`` to every
+    block its placeholder range overlaps; spans must not overlap one another (vLLM's assumption).
+    The salt goes into the first block only: the chain carries it to every later block.
+    Prompt-embedding digests, vLLM's fourth kind, need the tensors and are not produced here.
+    """
+    spans = sorted(mm_spans, key=lambda span: span.offset)
+    first_live_span = 0
+    keys: list[BlockExtraKeys] = []
+    for index in range(num_blocks):
+        start = index * block_size
+        end = start + block_size
+        while first_live_span < len(spans) and _span_end(spans[first_live_span]) <= start:
+            first_live_span += 1
+        block_keys: list[object] = [lora_name] if lora_name else []
+        block_keys.extend(_overlapping_items(spans, first_live_span, start, end))
+        if index == 0 and cache_salt:
+            block_keys.append(cache_salt)
+        keys.append(tuple(block_keys) or None)
+    return keys
+
+
+def _span_end(span: MultiModalSpan) -> int:
+    return span.offset + span.length
+
+
+def _overlapping_items(
+    spans: Sequence[MultiModalSpan], first: int, start: int, end: int
+) -> list[tuple[str, int]]:
+    items: list[tuple[str, int]] = []
+    for span in spans[first:]:
+        if span.offset >= end:
+            break
+        if _span_end(span) > start:
+            items.append((span.identifier, span.offset - start))
+    return items

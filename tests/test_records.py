@@ -1,0 +1,111 @@
+"""The Kafka record contract: keys, headers and values round-trip; bad input is one error type."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from bridge import records
+from bridge.records import DeadLetter, EventRecord, RecordDecodeError, Topics, WorkerState
+from producer.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
+
+
+def test_topics_derive_from_prefix() -> None:
+    topics = Topics("fleet1")
+    assert (topics.events, topics.workers, topics.deadletter, topics.snapshots) == (
+        "fleet1.events",
+        "fleet1.workers",
+        "fleet1.deadletter",
+        "fleet1.snapshots",
+    )
+
+
+def test_worker_id_per_dp_rank() -> None:
+    assert records.worker_id("engine-a", None) == "engine-a"
+    assert records.worker_id("engine-a", 3) == "engine-a-dp3"
+    with pytest.raises(ValueError, match="no '/'"):
+        records.worker_id("a/b", None)
+    with pytest.raises(ValueError):
+        records.worker_id("", 0)
+
+
+def test_event_key_round_trip_and_errors() -> None:
+    key = records.event_key("engine-a-dp1", 2)
+    assert key == b"engine-a-dp1/2"
+    assert records.parse_event_key(key) == ("engine-a-dp1", 2)
+    for bad in (b"nogroup", b"/1", b"w/x", b"w/"):
+        with pytest.raises(RecordDecodeError, match="malformed event key"):
+            records.parse_event_key(bad)
+
+
+def test_event_record_round_trip_with_every_event_type() -> None:
+    record = EventRecord(
+        worker="w",
+        epoch=2,
+        seq=17,
+        ts=1.5,
+        group_idx=1,
+        events=[
+            BlockStored(
+                [2**64 - 1, b"\x01" * 32],
+                None,
+                list(range(16)),
+                16,
+                None,
+                "GPU",
+                None,
+                group_idx=1,
+                kv_cache_spec_kind="sliding_window",
+                kv_cache_spec_sliding_window=128,
+            ),
+            BlockRemoved([2**64 - 1], "GPU", group_idx=1),
+            AllBlocksCleared(),
+        ],
+        data_parallel_rank=0,
+    )
+    assert records.decode_event_record(records.encode(record)) == record
+    assert dict(record.headers()) == {
+        "worker": b"w",
+        "group": b"1",
+        "epoch": b"2",
+        "seq": b"17",
+    }
+
+
+def test_worker_state_and_dead_letter_round_trip() -> None:
+    state = WorkerState(
+        worker="w",
+        epoch=1,
+        last_seq=-1,
+        health="degraded",
+        groups={0: GroupSpec("full_attention", 16), 1: GroupSpec("sliding_window", 16, 128)},
+        ts=2.0,
+    )
+    assert records.decode_worker_state(records.encode(state)) == state
+    letter = DeadLetter(
+        "tcp://127.0.0.1:5557", "bad_seq", "seq frame has 3 bytes", [b"t", b"abc", b"\xc1"], 3.0
+    )
+    assert records.decode_dead_letter(records.encode(letter)) == letter
+    assert dict(letter.headers())["reason"] == b"bad_seq"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"", b"\xc1", msgspec.msgpack.encode({"worker": 1}), msgspec.msgpack.encode([1, 2, 3])],
+)
+def test_bad_values_raise_record_decode_error(value: bytes) -> None:
+    for decode in (
+        records.decode_event_record,
+        records.decode_worker_state,
+        records.decode_dead_letter,
+    ):
+        with pytest.raises(RecordDecodeError):
+            decode(value)
+
+
+def test_unknown_health_is_rejected() -> None:
+    value = msgspec.msgpack.encode(
+        {"worker": "w", "epoch": 0, "last_seq": 0, "health": "sleepy", "groups": {}, "ts": 0.0}
+    )
+    with pytest.raises(RecordDecodeError, match="health"):
+        records.decode_worker_state(value)
