@@ -96,7 +96,7 @@ def test_external_takes_last_eight_bytes_unsigned() -> None:
 
 @pytest.mark.parametrize("name", ["sha256", "xxhash"])
 def test_pickle_hash_functions_are_refused(name: str) -> None:
-    with pytest.raises(UnsupportedHashFunction, match="pickle.*outside the engine"):
+    with pytest.raises(UnsupportedHashFunction, match=r"pickle.*outside the engine"):
         BlockHasher(name)
 
 
