@@ -7,6 +7,8 @@ bytes vLLM would for the same batch. ``decode`` reads every generation vLLM has 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 # vLLM's ExternalBlockHash: the digest's last 8 bytes as an unsigned int, or the raw digest.
@@ -91,3 +93,236 @@ class GroupSpec(msgspec.Struct, frozen=True, gc=False):
     block_size: int
     sliding_window: int | None = None
     chunk_size: int | None = None
+
+
+# --- Decoding --------------------------------------------------------------------------------
+#
+# The bridge decodes every frame of every engine, so the common case must cost what vLLM's own
+# typed decode costs: one msgspec pass over the whole batch into the current structs. A batch that
+# pass rejects is most likely from a vLLM before PR #42892 (events as tagged arrays), so a second
+# typed pass reads it with lenient array structs. Only a batch both reject (an event type this code
+# does not know, a mix of forms, a missing field, a map with the draft ``evicted_groups``, or
+# garbage) is read event by event. Lenient structs are converted to the current ones.
+
+# 64 MiB: a 1M-token prompt stored in 7 groups is ~35 MB of token ids; anything bigger is garbage
+# or an attack, and refusing it beats allocating for it.
+DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+
+
+class WireDecodeError(ValueError):
+    """A payload that no vLLM generation would send; the only exception ``decode`` raises.
+
+    One type, so a caller can dead-letter the frame with ``str(error)`` as the reason and never
+    crash on a bad frame; the message names the event and the field that were wrong.
+    """
+
+
+class DecodedBatch(msgspec.Struct, frozen=True, gc=False):
+    """A decoded batch and what the decoder skipped to read it.
+
+    ``unknown_event_types`` holds the type name of every event skipped because this code does not
+    know it (one entry per skipped event, in batch order), so a caller can count and log what a
+    newer engine sent instead of losing the whole batch, as vLLM's own decoder would.
+    """
+
+    batch: KVEventBatch
+    unknown_event_types: list[str] = []
+
+
+class _LenientBlockStored(msgspec.Struct, gc=False):
+    """BlockStored as any generation sends it: only the fields of PR #16750 are required.
+
+    The fields are ``BlockStored``'s, in the same order, so a decoded value converts positionally;
+    array-encoded events list them in this order, each generation appending its new ones.
+    """
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[object, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+
+
+class _MapBlockStored(_LenientBlockStored, tag="BlockStored"):
+    pass
+
+
+class _ArrayBlockStored(_LenientBlockStored, tag="BlockStored", array_like=True):
+    pass
+
+
+class _MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    """BlockRemoved as a map; ``evicted_groups`` is the early draft of PR #37688."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    evicted_groups: list[int] | None = None
+
+
+class _ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    """BlockRemoved as a tagged array.
+
+    The third element is ``group_idx`` as merged in PR #37688, or, from its early draft, the list
+    of evicted groups that took the same place.
+    """
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx_or_evicted_groups: int | list[int] | None = None
+    locality: str | None = None
+
+
+class _MapAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _ArrayAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    pass
+
+
+_MapEvent = _MapBlockStored | _MapBlockRemoved | _MapAllBlocksCleared
+_ArrayEvent = _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
+
+
+class _ArrayEventsBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrayEvent]
+    data_parallel_rank: int | None = None
+
+
+class _Envelope(msgspec.Struct, array_like=True, gc=False):
+    """The batch with its events left undecoded, so that each event can fail on its own."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _MapTag(msgspec.Struct, gc=False):
+    type: str
+
+
+class _ArrayTag(msgspec.Struct, array_like=True, gc=False):
+    type: str
+
+
+KNOWN_EVENT_TYPES = frozenset(cls.__name__ for cls in (BlockStored, BlockRemoved, AllBlocksCleared))
+
+# Only the draft form needs a lenient look at a map-encoded batch the fast path would accept (it
+# would silently drop the key). Scanning for the key costs far less than a second decode.
+_EVICTED_GROUPS_KEY = msgspec.msgpack.encode("evicted_groups")
+
+_DECODE_FAILURES = (msgspec.DecodeError, RecursionError)
+
+_batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_array_events_batch_decoder = msgspec.msgpack.Decoder(_ArrayEventsBatch)
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+_map_event_decoder = msgspec.msgpack.Decoder(_MapEvent)
+_array_event_decoder = msgspec.msgpack.Decoder(_ArrayEvent)
+_map_tag_decoder = msgspec.msgpack.Decoder(_MapTag)
+_array_tag_decoder = msgspec.msgpack.Decoder(_ArrayTag)
+
+
+def decode(payload: bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> DecodedBatch:
+    """Decode one batch as any vLLM generation encodes it; raise ``WireDecodeError`` if none does.
+
+    Unknown event types are skipped and named in the result, unknown fields are ignored, and
+    absent fields take the current structs' defaults (None), so one engine on a newer or older
+    vLLM never costs the fleet its events.
+    """
+    if len(payload) > max_bytes:
+        raise WireDecodeError(f"payload of {len(payload)} bytes exceeds the limit of {max_bytes}")
+    if _EVICTED_GROUPS_KEY not in payload:
+        try:
+            return DecodedBatch(_batch_decoder.decode(payload))
+        except _DECODE_FAILURES:
+            pass
+    try:
+        legacy = _array_events_batch_decoder.decode(payload)
+    except _DECODE_FAILURES:
+        return _decode_event_by_event(payload)
+    events = [current for event in legacy.events for current in _to_current(event)]
+    return DecodedBatch(KVEventBatch(legacy.ts, events, legacy.data_parallel_rank))
+
+
+def _decode_event_by_event(payload: bytes) -> DecodedBatch:
+    try:
+        envelope = _envelope_decoder.decode(payload)
+    except _DECODE_FAILURES as error:
+        raise WireDecodeError(f"not a KV event batch: {_reason(error)}") from error
+    events: list[KVEvent] = []
+    unknown_event_types: list[str] = []
+    for index, raw in enumerate(envelope.events):
+        is_map = _is_msgpack_map(raw)
+        try:
+            lenient = (_map_event_decoder if is_map else _array_event_decoder).decode(raw)
+        except _DECODE_FAILURES as error:
+            unknown_event_types.append(_unknown_type_or_raise(index, raw, is_map, error))
+            continue
+        events.extend(_to_current(lenient))
+    batch = KVEventBatch(envelope.ts, events, envelope.data_parallel_rank)
+    return DecodedBatch(batch, unknown_event_types)
+
+
+def _is_msgpack_map(raw: msgspec.Raw) -> bool:
+    """Fixmap (0x80-0x8f), map16 (0xde) or map32 (0xdf); events are maps or tagged arrays."""
+    first = memoryview(raw)[0]
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+
+
+def _unknown_type_or_raise(index: int, raw: msgspec.Raw, is_map: bool, error: Exception) -> str:
+    """The type name of an event the lenient structs rejected, if that type is unknown.
+
+    A known type that does not decode is a malformed event: dropping it would corrupt every
+    consumer's view of the cache, so the batch fails (the bridge dead-letters it) instead.
+    """
+    try:
+        tag = (_map_tag_decoder if is_map else _array_tag_decoder).decode(raw).type
+    except _DECODE_FAILURES:
+        shape = "map without a string 'type'" if is_map else "neither a map nor a tagged array"
+        raise WireDecodeError(f"event {index}: {shape}: {_reason(error)}") from error
+    if tag in KNOWN_EVENT_TYPES:
+        raise WireDecodeError(f"event {index} ({tag}): {_reason(error)}") from error
+    return tag
+
+
+def _to_current(event: _MapEvent | _ArrayEvent) -> list[KVEvent]:
+    if isinstance(event, _LenientBlockStored):
+        # Same fields in the same order: positional copying is ~5x faster than by name.
+        return [BlockStored(*msgspec.structs.astuple(event))]
+    if isinstance(event, _MapBlockRemoved):
+        groups = [event.group_idx] if event.evicted_groups is None else event.evicted_groups
+        return _removals(event.block_hashes, event.medium, event.locality, groups)
+    if isinstance(event, _ArrayBlockRemoved):
+        group = event.group_idx_or_evicted_groups
+        groups = group if isinstance(group, list) else [group]
+        return _removals(event.block_hashes, event.medium, event.locality, groups)
+    return [AllBlocksCleared()]
+
+
+def _removals(
+    block_hashes: list[ExternalBlockHash],
+    medium: str | None,
+    locality: str | None,
+    groups: Sequence[int | None],
+) -> list[KVEvent]:
+    """One BlockRemoved per group, the form PR #37688 merged, also for its draft's group list.
+
+    An empty draft list evicted the blocks from no group, so it yields no event.
+    """
+    return [BlockRemoved(list(block_hashes), medium, group, locality) for group in groups]
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    return str(error)

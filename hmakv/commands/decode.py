@@ -1,0 +1,320 @@
+"""``hmakv decode``: vLLM KV-event payloads to JSON lines, from files or a live publisher.
+
+Operators debug a routing miss by looking at what an engine really sent; this prints it with
+the same tolerant decoder the bridge uses, so what you see is what the pipeline reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Iterable
+
+import msgspec
+import zmq
+
+from producer.events import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DecodedBatch,
+    KVEvent,
+    WireDecodeError,
+    decode,
+)
+
+EXIT_OK = 0
+EXIT_RUNTIME_FAILURE = 1
+EXIT_BAD_INPUT = 2
+
+# vLLM's publisher: [topic, seq as 8 bytes big-endian, payload].
+_FRAMES_PER_MESSAGE = 3
+_SEQ_BYTES = 8
+
+_DESCRIPTION = """\
+Decode vLLM KV-cache event batches (msgpack, any vLLM generation) and print one JSON object per
+batch: {"ts", "data_parallel_rank", "events": [{"type", ...vLLM field names...}],
+"unknown_event_types"}. Byte values print as lowercase hex; fields an older vLLM did not send
+print as null.
+
+Input, one of:
+  FILE or stdin   msgpack payloads as hex, one per line (blank lines are skipped)
+  --raw FILE      one raw binary payload
+  --zmq ENDPOINT  subscribe to a live publisher (vLLM's PUB socket) and print each batch with
+                  its "seq" added, like kcat for KV events
+
+A bad line or frame is reported on stderr (line number or seq, and why) and skipped."""
+
+_EPILOG = """\
+exit codes: 0 ok, 1 runtime failure (--count not reached before --timeout, or nothing received),
+2 bad usage or input (some line or frame did not decode).
+
+examples:
+  hmakv decode payloads.hex
+  hmakv decode --raw batch.msgpack
+  hmakv decode --zmq tcp://engine-0:5557 --topic kv-events --count 10 | jq .events"""
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "decode",
+        help="decode vLLM KV-event payloads (hex lines, a raw file, or a live ZMQ publisher)",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "file",
+        nargs="?",
+        metavar="FILE",
+        help="hex payloads, one per line; '-' or absent: stdin",
+    )
+    source.add_argument("--raw", metavar="FILE", help="one raw binary payload ('-': stdin)")
+    source.add_argument(
+        "--zmq",
+        metavar="ENDPOINT",
+        default=os.environ.get("HMAKV_DECODE_ZMQ"),
+        help="subscribe to a publisher, e.g. tcp://host:5557 (env HMAKV_DECODE_ZMQ)",
+    )
+    parser.add_argument(
+        "--topic",
+        metavar="T",
+        default=os.environ.get("HMAKV_DECODE_TOPIC", ""),
+        help="ZMQ topic prefix to subscribe to (env HMAKV_DECODE_TOPIC, default: all)",
+    )
+    parser.add_argument(
+        "--count",
+        type=_positive_int,
+        default=os.environ.get("HMAKV_DECODE_COUNT"),
+        metavar="N",
+        help="with --zmq: stop after N messages (env HMAKV_DECODE_COUNT, default: never)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=os.environ.get("HMAKV_DECODE_TIMEOUT"),
+        metavar="SECONDS",
+        help="with --zmq: stop when no message arrives for this long "
+        "(env HMAKV_DECODE_TIMEOUT, default: wait forever)",
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=_positive_int,
+        default=os.environ.get("HMAKV_DECODE_MAX_BYTES", str(DEFAULT_MAX_PAYLOAD_BYTES)),
+        metavar="BYTES",
+        help="refuse payloads larger than this (env HMAKV_DECODE_MAX_BYTES, "
+        f"default {DEFAULT_MAX_PAYLOAD_BYTES})",
+    )
+    parser.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(text)
+    return value
+
+
+_positive_int.__name__ = "positive integer"  # argparse names the type in its error message
+_positive_float.__name__ = "positive number"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run_mode(args)
+    except BrokenPipeError:
+        # The reader (head, jq -n ...) has gone: stop quietly, as cat does, and keep Python from
+        # complaining again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _run_mode(args: argparse.Namespace) -> int:
+    """An explicit file wins over a ZMQ endpoint taken from the environment."""
+    if args.raw is not None:
+        return _decode_raw(args.raw, args.max_bytes)
+    if args.file is None and args.zmq is not None:
+        return _follow_publisher(args)
+    return _decode_hex_lines(args.file or "-", args.max_bytes)
+
+
+# --- Files -------------------------------------------------------------------------------------
+
+
+def _decode_raw(path: str, max_bytes: int) -> int:
+    try:
+        payload = _read_bytes(path)
+    except OSError as error:
+        return _fail(f"cannot read {path}: {error.strerror or error}", EXIT_BAD_INPUT)
+    try:
+        decoded = decode(payload, max_bytes=max_bytes)
+    except WireDecodeError as error:
+        return _fail(f"{path}: {error}", EXIT_BAD_INPUT)
+    _print_batch(decoded)
+    return EXIT_OK
+
+
+def _read_bytes(path: str) -> bytes:
+    if path == "-":
+        return sys.stdin.buffer.read()
+    with open(path, "rb") as file:
+        return file.read()
+
+
+def _decode_hex_lines(path: str, max_bytes: int) -> int:
+    if path == "-":
+        return _decode_lines("<stdin>", sys.stdin, max_bytes)
+    # Opened apart from the `with` so that only opening is a read error: an OSError while
+    # printing (a closed pipe) must not be reported as "cannot read".
+    try:
+        file = open(path, encoding="ascii", errors="replace")  # noqa: SIM115
+    except OSError as error:
+        return _fail(f"cannot read {path}: {error.strerror or error}", EXIT_BAD_INPUT)
+    with file:
+        return _decode_lines(path, file, max_bytes)
+
+
+def _decode_lines(name: str, lines: Iterable[str], max_bytes: int) -> int:
+    """Print every batch that decodes and report every line that does not, then go on."""
+    failures = 0
+    for line_number, line in enumerate(lines, start=1):
+        reason = _print_hex_payload(line.strip(), max_bytes)
+        if reason is not None:
+            failures += 1
+            _report(f"{name}:{line_number}: {reason}")
+    return EXIT_BAD_INPUT if failures else EXIT_OK
+
+
+def _print_hex_payload(text: str, max_bytes: int) -> str | None:
+    """Print one hex payload as JSON; return why it is malformed instead, if it is."""
+    if not text:
+        return None
+    try:
+        payload = bytes.fromhex(text)
+    except ValueError:
+        return "not a hex string"
+    try:
+        decoded = decode(payload, max_bytes=max_bytes)
+    except WireDecodeError as error:
+        return str(error)
+    _print_batch(decoded)
+    return None
+
+
+# --- A live publisher --------------------------------------------------------------------------
+
+
+def _follow_publisher(args: argparse.Namespace) -> int:
+    with zmq.Context() as context, context.socket(zmq.SUB) as socket:
+        socket.setsockopt(zmq.LINGER, 0)  # never hang at exit on an unreachable endpoint
+        try:
+            socket.connect(args.zmq)
+        except zmq.ZMQError as error:
+            return _fail(f"cannot connect to {args.zmq}: {error}", EXIT_BAD_INPUT)
+        socket.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
+        return _print_messages(socket, args.count, args.timeout, args.max_bytes)
+
+
+def _print_messages(
+    socket: zmq.Socket[bytes], count: int | None, timeout: float | None, max_bytes: int
+) -> int:
+    poll_ms = None if timeout is None else int(timeout * 1000)
+    received = failures = 0
+    try:
+        while count is None or received < count:
+            if not socket.poll(poll_ms):
+                if _silence_is_a_failure(received, count, timeout):
+                    return EXIT_RUNTIME_FAILURE
+                break
+            frames = socket.recv_multipart()
+            received += 1
+            reason = _print_message(frames, max_bytes)
+            if reason is not None:
+                failures += 1
+                _report(f"message {received}: {reason}")
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how one stops following a stream: end as if it had ended
+    return EXIT_BAD_INPUT if failures else EXIT_OK
+
+
+def _print_message(frames: list[bytes], max_bytes: int) -> str | None:
+    """Print one vLLM message as JSON; return why it is malformed instead, if it is."""
+    if len(frames) != _FRAMES_PER_MESSAGE:
+        return f"{len(frames)} frames, expected 3 (topic, seq, payload)"
+    _topic, seq_frame, payload = frames
+    if len(seq_frame) != _SEQ_BYTES:
+        return f"seq frame of {len(seq_frame)} bytes, expected {_SEQ_BYTES}"
+    seq = int.from_bytes(seq_frame, "big")
+    try:
+        decoded = decode(payload, max_bytes=max_bytes)
+    except WireDecodeError as error:
+        return f"seq {seq}: {error}"
+    _print_batch(decoded, seq=seq)
+    return None
+
+
+def _silence_is_a_failure(received: int, count: int | None, timeout: float | None) -> bool:
+    """Whether --timeout of silence means something is wrong, which is then reported.
+
+    Silence after some messages just ends a follow; silence from the start, or before --count
+    messages arrived, means a wrong endpoint or topic, or an engine that stopped.
+    """
+    if received == 0:
+        _report(f"no message within {timeout} s")
+        return True
+    if count is not None:
+        _report(f"only {received} of {count} messages before {timeout} s of silence")
+        return True
+    return False
+
+
+# --- Output ------------------------------------------------------------------------------------
+
+_json_encoder = msgspec.json.Encoder()
+
+
+def _batch_as_json(decoded: DecodedBatch, *, seq: int | None = None) -> dict[str, object]:
+    """The printed form: every field of every event under vLLM's names, bytes as hex."""
+    head: dict[str, object] = {} if seq is None else {"seq": seq}
+    return head | {
+        "ts": decoded.batch.ts,
+        "data_parallel_rank": decoded.batch.data_parallel_rank,
+        "events": [_event_as_json(event) for event in decoded.batch.events],
+        "unknown_event_types": decoded.unknown_event_types,
+    }
+
+
+def _event_as_json(event: KVEvent) -> dict[str, object]:
+    fields = {name: _hex_bytes(getattr(event, name)) for name in event.__struct_fields__}
+    return {"type": type(event).__name__} | fields
+
+
+def _hex_bytes(value: object) -> object:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, list | tuple):
+        return [_hex_bytes(item) for item in value]
+    return value
+
+
+def _print_batch(decoded: DecodedBatch, *, seq: int | None = None) -> None:
+    line = _json_encoder.encode(_batch_as_json(decoded, seq=seq))
+    sys.stdout.write(line.decode() + "\n")
+    sys.stdout.flush()
+
+
+def _report(message: str) -> None:
+    print(f"hmakv decode: {message}", file=sys.stderr, flush=True)
+
+
+def _fail(message: str, code: int) -> int:
+    _report(message)
+    return code
