@@ -1,0 +1,255 @@
+"""The one place that builds aiokafka clients for hmakv's services.
+
+Every producer, consumer and admin client gets the same security settings from here, and every
+producer the same delivery guarantees: ``acks="all"`` and, where the broker supports it,
+idempotence, so a retried batch is never written twice.
+
+Some Kafka-compatible brokers (Tansu) do not implement InitProducerId, which an idempotent
+producer needs: aiokafka's ``start()`` then raises the broker's error (``UnknownError`` on Tansu).
+``start_producer`` logs that once and falls back to a plain producer. That loses no ordering:
+aiokafka keeps at most one request in flight per broker connection and one batch per partition,
+which is what ``max.in.flight.requests.per.connection=1`` buys in the Java client. It can write a
+retried batch twice, which consumers already tolerate (they skip seqs they have applied).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import (
+    BrokerResponseError,
+    IllegalSaslStateError,
+    SaslAuthenticationFailed,
+    TopicAlreadyExistsError,
+    UnsupportedSaslMechanismError,
+    for_code,
+)
+from aiokafka.helpers import create_ssl_context
+
+log = logging.getLogger(__name__)
+
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_SASL_MECHANISMS_WITH_PASSWORD = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+_ENV_PREFIX = "HMAKV_KAFKA_"
+# Broker errors that start() can raise before it asks for a producer id: never a reason to drop
+# idempotence, since a plain producer would fail the same way.
+_AUTHENTICATION_ERRORS = (
+    SaslAuthenticationFailed,
+    UnsupportedSaslMechanismError,
+    IllegalSaslStateError,
+)
+
+
+@dataclass(frozen=True)
+class KafkaSecurity:
+    """How to reach a secured cluster; the default is plaintext, as a local broker needs."""
+
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str = "PLAIN"
+    sasl_plain_username: str | None = None
+    sasl_plain_password: str | None = field(default=None, repr=False)
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+    def __post_init__(self) -> None:
+        """Reject a half-configured setting now, not as a handshake failure at first connect."""
+        if self.security_protocol not in SECURITY_PROTOCOLS:
+            raise ValueError(
+                f"security_protocol {self.security_protocol!r} is not one of {SECURITY_PROTOCOLS}"
+            )
+        if self._needs_password and not (self.sasl_plain_username and self.sasl_plain_password):
+            raise ValueError(f"SASL {self.sasl_mechanism} needs a username and a password")
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError("an SSL key file needs its certificate file")
+
+    @property
+    def uses_sasl(self) -> bool:
+        return self.security_protocol.startswith("SASL_")
+
+    @property
+    def uses_ssl(self) -> bool:
+        return self.security_protocol.endswith("SSL")
+
+    @property
+    def _needs_password(self) -> bool:
+        return self.uses_sasl and self.sasl_mechanism in _SASL_MECHANISMS_WITH_PASSWORD
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> KafkaSecurity:
+        """Read ``HMAKV_KAFKA_SECURITY_PROTOCOL``, ``..._SASL_MECHANISM``, ``..._SASL_USERNAME``,
+        ``..._SASL_PASSWORD``, ``..._SSL_CAFILE``, ``..._SSL_CERTFILE``, ``..._SSL_KEYFILE``."""
+
+        def setting(name: str) -> str | None:
+            return environ.get(_ENV_PREFIX + name) or None
+
+        return cls(
+            security_protocol=(setting("SECURITY_PROTOCOL") or "PLAINTEXT").upper(),
+            sasl_mechanism=(setting("SASL_MECHANISM") or "PLAIN").upper(),
+            sasl_plain_username=setting("SASL_USERNAME"),
+            sasl_plain_password=setting("SASL_PASSWORD"),
+            ssl_cafile=setting("SSL_CAFILE"),
+            ssl_certfile=setting("SSL_CERTFILE"),
+            ssl_keyfile=setting("SSL_KEYFILE"),
+        )
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every aiokafka client (producer, consumer, admin) takes."""
+        kwargs: dict[str, Any] = {"security_protocol": self.security_protocol}
+        if self.uses_ssl:
+            kwargs["ssl_context"] = create_ssl_context(
+                cafile=self.ssl_cafile, certfile=self.ssl_certfile, keyfile=self.ssl_keyfile
+            )
+        if self.uses_sasl:
+            kwargs["sasl_mechanism"] = self.sasl_mechanism
+            kwargs["sasl_plain_username"] = self.sasl_plain_username
+            kwargs["sasl_plain_password"] = self.sasl_plain_password
+        return kwargs
+
+
+def _security_kwargs(security: KafkaSecurity | None) -> dict[str, Any]:
+    return (security or KafkaSecurity()).client_kwargs()
+
+
+@dataclass(frozen=True)
+class StartedProducer:
+    """A started producer and whether the broker let it be idempotent."""
+
+    producer: AIOKafkaProducer
+    idempotent: bool
+
+
+async def start_producer(
+    bootstrap: str,
+    *,
+    client_id: str,
+    compression: str | None = None,
+    security: KafkaSecurity | None = None,
+    linger_ms: int = 5,
+    max_batch_size: int = 16384,
+    request_timeout_ms: int = 40000,
+) -> StartedProducer:
+    """Start an ``acks="all"`` producer, idempotent unless the broker refuses (see the module).
+
+    ``security=None`` means plaintext; services pass ``KafkaSecurity.from_env()``.
+    """
+    settings: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "client_id": client_id,
+        "acks": "all",
+        "compression_type": compression,
+        "linger_ms": linger_ms,
+        "max_batch_size": max_batch_size,
+        "request_timeout_ms": request_timeout_ms,
+        **_security_kwargs(security),
+    }
+    try:
+        producer = await _started(AIOKafkaProducer(enable_idempotence=True, **settings))
+    except BrokerResponseError as refusal:
+        if isinstance(refusal, _AUTHENTICATION_ERRORS):
+            raise
+        log.warning(
+            "Kafka at %s refused an idempotent producer (InitProducerId failed: %s: %s); "
+            "producing without idempotence: per-key order holds, a retried batch may repeat",
+            bootstrap,
+            type(refusal).__name__,
+            refusal.description or refusal,
+        )
+    else:
+        return StartedProducer(producer, idempotent=True)
+    producer = await _started(AIOKafkaProducer(enable_idempotence=False, **settings))
+    return StartedProducer(producer, idempotent=False)
+
+
+async def _started(producer: AIOKafkaProducer) -> AIOKafkaProducer:
+    """Start it, or close what a failed start left open (connections, the metadata task)."""
+    try:
+        await producer.start()
+    except Exception:
+        await producer.stop()
+        raise
+    return producer
+
+
+def create_consumer(
+    bootstrap: str,
+    *topics: str,
+    client_id: str,
+    group_id: str | None = None,
+    security: KafkaSecurity | None = None,
+    auto_offset_reset: str = "earliest",
+    enable_auto_commit: bool = False,
+    **options: Any,
+) -> AIOKafkaConsumer:
+    """A not yet started consumer with the services' security settings.
+
+    Reads from the earliest offset and commits nothing unless asked: a consumer that rebuilds its
+    state from the log decides itself when a position is safe to keep. ``options`` go to aiokafka
+    unchanged.
+    """
+    return AIOKafkaConsumer(
+        *topics,
+        bootstrap_servers=bootstrap,
+        client_id=client_id,
+        group_id=group_id,
+        auto_offset_reset=auto_offset_reset,
+        enable_auto_commit=enable_auto_commit,
+        **_security_kwargs(security),
+        **options,
+    )
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """A topic to create: its partitions, replication factor and topic-level config."""
+
+    name: str
+    partitions: int = 1
+    replication: int = 1
+    config: Mapping[str, str] = field(default_factory=dict)
+
+
+async def ensure_topics(
+    bootstrap: str,
+    topics: Sequence[TopicSpec],
+    *,
+    client_id: str = "hmakv-admin",
+    security: KafkaSecurity | None = None,
+) -> list[str]:
+    """Create the topics that do not exist yet; returns the names this call created.
+
+    An existing topic is left as it is (its partitions and config are not reconciled), so calling
+    this at every service start is safe.
+    """
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, client_id=client_id, **_security_kwargs(security)
+    )
+    try:
+        await admin.start()
+        response = await admin.create_topics([_new_topic(spec) for spec in topics])
+    finally:
+        await admin.close()
+    return _created_topic_names(response.topic_errors)
+
+
+def _new_topic(spec: TopicSpec) -> NewTopic:
+    return NewTopic(spec.name, spec.partitions, spec.replication, topic_configs=dict(spec.config))
+
+
+def _created_topic_names(topic_errors: Sequence[tuple[Any, ...]]) -> list[str]:
+    """Names created by this request; raises the first error other than "already exists"."""
+    created = []
+    for name, error_code, *error_message in topic_errors:
+        if error_code == 0:
+            created.append(name)
+            continue
+        error = for_code(error_code)
+        if error is not TopicAlreadyExistsError:
+            raise error(f"creating topic {name!r}: {error_message[0] if error_message else ''}")
+    return created

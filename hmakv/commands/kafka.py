@@ -1,0 +1,196 @@
+"""``hmakv kafka start|stop|status|fetch``: a local broker for the demo, benchmarks and CI.
+
+``start`` prints only the bootstrap address on stdout, so ``BOOTSTRAP=$(hmakv kafka start)`` works.
+One detached broker per cache dir (``HMAKV_CACHE_DIR``); its state file is what ``status`` and
+``stop`` read. Exit codes: 0 done (``stop`` with nothing running included), 1 failed or, for
+``status``, not running; 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import signal
+from pathlib import Path
+from types import FrameType
+
+from hmakv.kafka import (
+    BrokerDist,
+    BrokerStartError,
+    DetachedBroker,
+    JarFetchError,
+    LocalBroker,
+    broker_answers,
+    default_dist,
+    fetch_jars,
+    local_broker,
+    state_file,
+)
+
+log = logging.getLogger(__name__)
+
+# What a broker's exit code looks like when SIGTERM ended it: the JVM's 128+15, or Popen's -15.
+_SIGTERM_EXIT_CODES = (128 + signal.SIGTERM, -signal.SIGTERM)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    kafka = subparsers.add_parser(
+        "kafka",
+        help="run a local single-node broker (Apache Kafka or Tansu) on 127.0.0.1",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = kafka.add_subparsers(dest="kafka_action", metavar="ACTION", required=True)
+    _add_start(actions)
+    actions.add_parser("stop", help="stop the broker `start` left running").set_defaults(func=stop)
+    actions.add_parser(
+        "status", help="exit 0 and print its address if the broker runs, else exit 1"
+    ).set_defaults(func=status)
+    actions.add_parser(
+        "fetch", help="only download Apache Kafka's jars into the cache (Maven)"
+    ).set_defaults(func=fetch)
+
+
+def _add_start(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    start_parser = actions.add_parser(
+        "start", help="start a broker, wait until it is ready, print its bootstrap address"
+    )
+    start_parser.add_argument(
+        "--dist",
+        type=BrokerDist,
+        choices=list(BrokerDist),
+        help="broker software (env HMAKV_KAFKA_DIST, default tansu)",
+    )
+    start_parser.add_argument("--port", type=int, help="listener port (default: a free one)")
+    start_parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="keep config, log and (Apache) topics here; default: a temporary dir `stop` removes",
+    )
+    start_parser.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for readiness (default 120)"
+    )
+    start_parser.add_argument(
+        "--foreground",
+        action="store_true",
+        help="stay attached; Ctrl-C or SIGTERM stops the broker",
+    )
+    start_parser.set_defaults(func=start)
+
+
+def start(args: argparse.Namespace) -> int:
+    try:
+        dist = args.dist or default_dist()
+    except ValueError:
+        log.error("HMAKV_KAFKA_DIST must be one of: %s", ", ".join(BrokerDist))
+        return 2
+    running = _recorded_running_broker()
+    if running is not None:
+        log.error(
+            "a %s broker already runs at %s (pid %d); `hmakv kafka stop` it first",
+            running.dist,
+            running.bootstrap,
+            running.pid,
+        )
+        return 1
+    broker = local_broker(
+        dist, port=args.port, data_dir=args.data_dir, startup_timeout_s=args.timeout
+    )
+    try:
+        if args.foreground:
+            return _run_in_foreground(broker)
+        detached = broker.start_detached()
+    except (BrokerStartError, JarFetchError) as exc:
+        log.error("%s", exc)
+        return 1
+    detached.save(state_file())
+    print(detached.bootstrap, flush=True)
+    return 0
+
+
+def _recorded_running_broker() -> DetachedBroker | None:
+    """The broker the state file records, if it still runs; a dead one's record is cleaned up."""
+    recorded = DetachedBroker.load(state_file())
+    if recorded is None or recorded.is_running():
+        return recorded
+    _forget(recorded)
+    return None
+
+
+def _run_in_foreground(broker: LocalBroker) -> int:
+    """Serve until Ctrl-C or SIGTERM (both end in a clean stop), or until the broker dies."""
+    previous_handler = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with broker:
+            return _serve(broker)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve(broker: LocalBroker) -> int:
+    record = broker.describe()
+    record.save(state_file())
+    print(broker.bootstrap, flush=True)
+    try:
+        exit_code = broker.wait()
+    finally:
+        _forget_if_current(record)
+    if exit_code in _SIGTERM_EXIT_CODES:
+        return 0
+    log.error("the %s broker exited with code %d; see %s", broker.dist, exit_code, broker.log_path)
+    return 1
+
+
+def stop(args: argparse.Namespace) -> int:
+    running = _recorded_running_broker()
+    if running is None:
+        print("no broker running")
+        return 0
+    running.stop()
+    _forget_if_current(running)
+    print(f"stopped the {running.dist} broker at {running.bootstrap}")
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    running = _recorded_running_broker()
+    if running is None:
+        print("not running")
+        return 1
+    if not broker_answers(running.bootstrap):
+        print(f"not answering: pid {running.pid} runs but {running.bootstrap} does not respond")
+        return 1
+    print(
+        f"{running.bootstrap} running "
+        f"({running.dist}, pid {running.pid}, data dir {running.data_dir})"
+    )
+    return 0
+
+
+def fetch(args: argparse.Namespace) -> int:
+    try:
+        print(fetch_jars())
+    except JarFetchError as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+def _forget(recorded: DetachedBroker) -> None:
+    """Drop the record of a broker that is gone, and its temporary data dir."""
+    if recorded.owns_data_dir:
+        shutil.rmtree(recorded.data_dir, ignore_errors=True)
+    _forget_if_current(recorded)
+
+
+def _forget_if_current(recorded: DetachedBroker) -> None:
+    """Remove the state file unless it already describes another broker."""
+    if DetachedBroker.load(state_file()) == recorded:
+        state_file().unlink(missing_ok=True)

@@ -1,0 +1,149 @@
+"""Broker processes: spawned in their own process group, stopped as a group, never leaked.
+
+A broker gets its own session so a terminal's Ctrl-C reaches its owner, which then stops it in
+order, and so that stopping it can never signal the owner. Liveness checks treat a zombie as gone:
+a broker orphaned by ``hmakv kafka start`` may be reparented to an init that never reaps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+_PROC = Path("/proc")
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the kernel picks it, so no guessing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((LOOPBACK, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def port_accepts(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections on ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def spawn_group(
+    argv: Sequence[str],
+    *,
+    log_path: Path,
+    cwd: Path,
+    die_with_parent: bool,
+    env_overrides: Mapping[str, str],
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as the leader of a new session, stdout and stderr appended to ``log_path``.
+
+    ``die_with_parent`` asks Linux to SIGKILL the child when the thread that spawned it ends, so a
+    test run killed outright still leaves no broker behind.
+    """
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env={**os.environ, **env_overrides},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_kill_me_with_parent() if die_with_parent else None,
+        )
+
+
+def _kill_me_with_parent() -> Callable[[], None] | None:
+    """A pre-exec hook setting PR_SET_PDEATHSIG; libc is loaded here, before the fork."""
+    if sys.platform != "linux":
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def set_parent_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    return set_parent_death_signal
+
+
+def group_is_running(pgid: int) -> bool:
+    """Whether the process group led by ``pgid`` still has its leader running.
+
+    A zombie leader (exited, not yet reaped) counts as gone, and so does a recycled pid that
+    leads no group: stopping must never signal a stranger.
+    """
+    if not _leader_alive(pgid):
+        return False
+    try:
+        return os.getpgid(pgid) == pgid
+    except ProcessLookupError:
+        return False
+
+
+def _leader_alive(pid: int) -> bool:
+    if _PROC.joinpath("self").is_dir():
+        return _proc_state(pid) not in (None, "Z", "X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _proc_state(pid: int) -> str | None:
+    """The state letter from ``/proc/<pid>/stat`` (after the parenthesised command name)."""
+    try:
+        return _PROC.joinpath(str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def stop_group(pgid: int, *, grace_s: float = 20.0) -> None:
+    """SIGTERM the process group ``pgid``, SIGKILL it if its leader outlives ``grace_s``.
+
+    Signalling by group is safe even with a stale pid: Linux never hands out a pid that is still
+    some group's id, so ``killpg`` reaches the broker's group or nothing.
+    """
+    _signal_group(pgid, signal.SIGTERM)
+    if _wait_gone(pgid, grace_s):
+        return
+    _signal_group(pgid, signal.SIGKILL)
+    if not _wait_gone(pgid, 10.0):
+        raise RuntimeError(f"process group {pgid} survived SIGKILL")
+
+
+def _signal_group(pgid: int, signum: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signum)
+
+
+def _wait_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_is_running(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a broker log, for error messages that explain themselves."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"(no log at {path}: {exc})"
+    return "\n".join(text.splitlines()[-lines:])

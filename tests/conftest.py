@@ -1,0 +1,35 @@
+"""Session-wide Kafka brokers, started once and stopped when the session ends.
+
+Tests that need a broker are marked ``kafka``; those that need Apache Kafka's guarantees
+(durability, idempotent producers) are marked ``apache`` too, so ``-m "not apache"`` runs the
+rest against any broker given in ``KAFKA_BOOTSTRAP``. Fresh topic names come from
+``hmakv.kafka.unique_topic``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from hmakv.kafka import ApacheKafkaBroker, TansuBroker
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """``host:port`` of Apache Kafka: ``KAFKA_BOOTSTRAP`` if set, else one started for the session
+    (its jars are fetched with Maven on first use)."""
+    external = os.environ.get("KAFKA_BOOTSTRAP")
+    if external:
+        yield external
+        return
+    with ApacheKafkaBroker() as broker:
+        yield broker.bootstrap
+
+
+@pytest.fixture(scope="session")
+def tansu_bootstrap() -> Iterator[str]:
+    """``host:port`` of a memory-only Tansu broker started for the session."""
+    with TansuBroker() as broker:
+        yield broker.bootstrap

@@ -1,0 +1,287 @@
+"""The local broker launcher and ``hmakv kafka``, against both distributions.
+
+Every test that starts a broker also checks that its process is gone afterwards: a broker that
+outlives its owner holds a port and memory until someone notices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from hmakv.kafka import (
+    BrokerDist,
+    BrokerStartError,
+    JarFetchError,
+    TansuBroker,
+    broker_answers,
+    cache_dir,
+    fetch_jars,
+    kafka_version,
+    local_broker,
+    unique_topic,
+)
+from hmakv.kafka.process import group_is_running, stop_group
+
+BOTH_DISTS = [
+    pytest.param(BrokerDist.TANSU, marks=pytest.mark.kafka, id="tansu"),
+    pytest.param(BrokerDist.APACHE, marks=[pytest.mark.kafka, pytest.mark.apache], id="apache"),
+]
+
+
+async def _produce(bootstrap: str, topic: str, value: bytes) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, value, key=b"key")
+    finally:
+        await producer.stop()
+
+
+async def _first_value(bootstrap: str, topic: str) -> bytes:
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        record = await consumer.getone()
+    finally:
+        await consumer.stop()
+    value: bytes = record.value
+    return value
+
+
+def _round_trip(bootstrap: str) -> bytes:
+    topic = unique_topic("launcher")
+    asyncio.run(_produce(bootstrap, topic, b"hello"))
+    return asyncio.run(_first_value(bootstrap, topic))
+
+
+@pytest.mark.parametrize("dist", BOTH_DISTS)
+def test_launcher_serves_records_and_leaves_nothing_behind(dist: BrokerDist) -> None:
+    with local_broker(dist) as broker:
+        pid, data_dir = broker.pid, broker.data_dir
+        assert broker.bootstrap.startswith("127.0.0.1:")
+        assert _round_trip(broker.bootstrap) == b"hello"
+        assert broker.log_path.stat().st_size > 0
+
+    assert not group_is_running(pid)
+    assert not data_dir.exists()
+
+
+@pytest.mark.kafka
+@pytest.mark.apache
+def test_apache_keeps_its_topics_in_a_given_data_dir(tmp_path: Path) -> None:
+    data_dir = tmp_path / "kafka"
+    topic = unique_topic("durable")
+    with local_broker(BrokerDist.APACHE, data_dir=data_dir) as first:
+        asyncio.run(_produce(first.bootstrap, topic, b"kept"))
+        first_pid = first.pid
+
+    assert not group_is_running(first_pid)
+    with local_broker(BrokerDist.APACHE, data_dir=data_dir) as second:
+        assert asyncio.run(_first_value(second.bootstrap, topic)) == b"kept"
+        second_pid = second.pid
+
+    assert not group_is_running(second_pid)
+    assert (data_dir / "broker.log").exists()
+
+
+@pytest.mark.kafka
+def test_a_broker_that_cannot_listen_fails_with_its_log() -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        broker = TansuBroker(port=squatter.getsockname()[1])
+        with pytest.raises(BrokerStartError, match=r"(?s)exited with code.*AddrInUse"):
+            broker.start()
+    with pytest.raises(RuntimeError, match="not running"):
+        _ = broker.pid
+
+
+OWNER_SCRIPT = """
+import time
+from hmakv.kafka import TansuBroker
+broker = TansuBroker().start()
+print(broker.pid, broker.data_dir, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.kafka
+def test_a_broker_dies_with_an_owner_killed_outright() -> None:
+    """The owner cannot clean up after SIGKILL; the kernel still ends its broker (Linux)."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER_SCRIPT], stdout=subprocess.PIPE, text=True
+    )
+    assert owner.stdout is not None
+    pid_field, data_dir_field = owner.stdout.readline().split()
+    broker_pid = int(pid_field)
+    assert group_is_running(broker_pid)
+
+    owner.kill()
+    owner.wait()
+
+    try:
+        deadline = time.monotonic() + 30
+        while group_is_running(broker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not group_is_running(broker_pid)
+    finally:
+        stop_group(broker_pid)
+        shutil.rmtree(data_dir_field, ignore_errors=True)
+
+
+def test_fetch_without_maven_names_the_command_to_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HMAKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-path"))
+    with pytest.raises(JarFetchError, match=r"mvn -q -B -f .*dependency:copy-dependencies"):
+        fetch_jars()
+
+
+# ---- hmakv kafka, as the separate processes a user or CI script runs ----
+
+
+def _hmakv_kafka(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hmakv.cli", "kafka", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A private cache dir sharing the real jars; whatever a test leaves running is stopped."""
+    private_cache = tmp_path / "cache"
+    private_cache.mkdir()
+    (private_cache / "kafka").symlink_to(cache_dir() / "kafka", target_is_directory=True)
+    env = {**os.environ, "HMAKV_CACHE_DIR": str(private_cache)}
+    env.pop("HMAKV_KAFKA_DIST", None)
+    yield env
+    _hmakv_kafka(env, "stop")
+
+
+def _recorded_state(env: dict[str, str]) -> dict[str, object]:
+    state: dict[str, object] = json.loads(
+        (Path(env["HMAKV_CACHE_DIR"]) / "run" / "kafka.json").read_text()
+    )
+    return state
+
+
+@pytest.mark.parametrize("dist", BOTH_DISTS)
+def test_cli_start_status_stop(cli_env: dict[str, str], dist: BrokerDist) -> None:
+    if dist is BrokerDist.APACHE:
+        fetch_jars()
+
+    started = _hmakv_kafka(cli_env, "start", "--dist", dist)
+    assert started.returncode == 0, started.stderr
+    bootstrap = started.stdout.strip()
+    state = _recorded_state(cli_env)
+    pid = int(str(state["pid"]))
+    data_dir = Path(str(state["data_dir"]))
+    assert state["dist"] == dist
+    assert state["bootstrap"] == bootstrap
+
+    status = _hmakv_kafka(cli_env, "status")
+    assert status.returncode == 0
+    assert status.stdout.startswith(f"{bootstrap} running ({dist}")
+    assert _round_trip(bootstrap) == b"hello"
+
+    stopped = _hmakv_kafka(cli_env, "stop")
+    assert stopped.returncode == 0
+    assert not group_is_running(pid)
+    assert not data_dir.exists()
+    assert _hmakv_kafka(cli_env, "status").returncode == 1
+
+
+@pytest.mark.kafka
+def test_cli_refuses_a_second_broker_while_one_runs(cli_env: dict[str, str]) -> None:
+    first = _hmakv_kafka(cli_env, "start", "--dist", "tansu")
+    assert first.returncode == 0, first.stderr
+
+    second = _hmakv_kafka(cli_env, "start", "--dist", "tansu")
+    assert second.returncode == 1
+    assert f"already runs at {first.stdout.strip()}" in second.stderr
+    assert second.stdout == ""
+
+
+@pytest.mark.kafka
+def test_cli_foreground_broker_stops_cleanly_on_sigterm(cli_env: dict[str, str]) -> None:
+    foreground = subprocess.Popen(
+        [sys.executable, "-m", "hmakv.cli", "kafka", "start", "--dist", "tansu", "--foreground"],
+        env=cli_env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert foreground.stdout is not None
+        bootstrap = foreground.stdout.readline().strip()
+        pid = int(str(_recorded_state(cli_env)["pid"]))
+        assert broker_answers(bootstrap)
+        assert _hmakv_kafka(cli_env, "status").returncode == 0
+
+        foreground.send_signal(signal.SIGTERM)
+        assert foreground.wait() == 0
+    finally:
+        foreground.kill()
+        foreground.wait()
+    assert not group_is_running(pid)
+    assert _hmakv_kafka(cli_env, "status").returncode == 1
+
+
+def test_cli_stop_and_status_with_no_broker(cli_env: dict[str, str]) -> None:
+    stopped = _hmakv_kafka(cli_env, "stop")
+    assert (stopped.returncode, stopped.stdout) == (0, "no broker running\n")
+    status = _hmakv_kafka(cli_env, "status")
+    assert (status.returncode, status.stdout) == (1, "not running\n")
+
+
+def test_cli_forgets_a_broker_that_died_and_its_temporary_dir(cli_env: dict[str, str]) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphaned_dir = Path(cli_env["HMAKV_CACHE_DIR"]) / "orphaned-data"
+    orphaned_dir.mkdir()
+    state = {
+        "pid": dead.pid,
+        "dist": "tansu",
+        "bootstrap": "127.0.0.1:1",
+        "data_dir": str(orphaned_dir),
+        "owns_data_dir": True,
+    }
+    state_path = Path(cli_env["HMAKV_CACHE_DIR"]) / "run" / "kafka.json"
+    state_path.parent.mkdir()
+    state_path.write_text(json.dumps(state))
+
+    assert _hmakv_kafka(cli_env, "status").returncode == 1
+    stopped = _hmakv_kafka(cli_env, "stop")
+    assert (stopped.returncode, stopped.stdout) == (0, "no broker running\n")
+    assert not state_path.exists()
+    assert not orphaned_dir.exists()
+
+
+@pytest.mark.apache
+def test_cli_fetch_prints_the_cached_jars_dir() -> None:
+    fetched = subprocess.run(
+        [sys.executable, "-m", "hmakv.cli", "kafka", "fetch"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert fetched.returncode == 0, fetched.stderr
+    libs = Path(fetched.stdout.strip())
+    assert (libs / f"kafka_2.13-{kafka_version()}.jar").is_file()
