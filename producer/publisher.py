@@ -1,0 +1,700 @@
+"""vLLM's ZMQ KV-event publisher protocol, from a publisher that never blocks the engine thread.
+
+Wire protocol (vLLM's ``ZmqEventPublisher``, unchanged):
+
+* PUB socket, one message per batch: ``[topic (utf-8), seq (8 bytes, big-endian, unsigned),
+  payload (msgpack KVEventBatch)]``. ``seq`` counts from 0 per publisher, i.e. per engine life.
+* ROUTER replay socket (optional): a client (DEALER) sends ``[b"", start_seq (8 bytes BE)]`` and
+  gets ``[b"", topic, seq, payload]`` for every batch still in the replay ring with
+  ``seq >= start_seq``, in order, then the end marker ``[b"", b"", seq = -1 (8 bytes, signed BE),
+  b""]``. The ring keeps the last ``buffer_steps`` sequence numbers; a replay that asks for more
+  simply starts at the oldest kept seq, so the client sees the first replayed seq jump.
+
+What this publisher adds, all of it invisible to a client written for vLLM:
+
+* The first batch (seq 0) is ``[AllBlocksCleared]``, so every subscriber sees an engine restart
+  as an explicit clear and not only as a sequence reset.
+* ``publish()`` only assigns the seq and appends to a bounded queue: encoding and sending happen
+  on the publisher's own thread. When the queue is full the batch is dropped but keeps its seq,
+  so subscribers see the loss as a gap (vLLM's ``publish()`` blocks the scheduler instead).
+  ``publish()`` does not even wake the publisher thread, since waking a sleeping thread costs
+  the caller several microseconds; the thread looks at the queue every ``flush_interval_ms``
+  (1 ms) while idle and sends without pause while there is work, so a batch leaves within about
+  a millisecond, plus however long the engine thread holds the GIL.
+* Replies go out without blocking, a bounded number of messages per client per loop turn,
+  interleaved with live batches; a client that stops reading is abandoned after
+  ``replay_timeout`` seconds without progress (vLLM's ROUTER silently drops such replies).
+* Snapshots: a replay request whose start_seq is ``SNAPSHOT_REQUEST`` (2**64 - 1) asks for the
+  engine's resident blocks. The reply is one or more batches that all carry the same seq S,
+  the first starting with ``AllBlocksCleared`` and the rest ``BlockStored`` events (at most
+  ``snapshot_chunk_events`` events per batch), then the end marker. The snapshot is the cache
+  state after batch S: apply it, then apply live or replayed batches with seq > S. No batch
+  before the end marker means no snapshot is offered (no provider, the provider failed, or the
+  engine did not get to it in time); vLLM's publisher answers the same request that way too,
+  since no seq is that high.
+
+  Snapshots need no lock because the ``snapshot_provider`` always runs on the engine thread: a
+  request only raises a flag, and the engine thread's next ``publish()`` (after assigning its
+  seq S) or ``service_snapshot_requests()`` (S = the last seq assigned) calls the provider and
+  hands its events to the publisher thread, which encodes and sends them. An engine loop that
+  can sit idle should call ``service_snapshot_requests()`` each step, at a point where every
+  change to its blocks has been published; it costs one attribute read when nothing is pending.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+
+from producer.events import AllBlocksCleared, KVEvent, KVEventBatch
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_REQUEST = 2**64 - 1
+"""start_seq of a replay request that asks for a snapshot instead of buffered batches."""
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""seq frame of the end marker that closes every replay reply."""
+
+_END_FRAMES = (b"", END_SEQ, b"")
+_LIVE_CHUNK = 64  # live batches per loop turn, so replay requests are read between chunks
+_DROP_LOG_INTERVAL_S = 10.0
+
+SnapshotProvider = Callable[[], Sequence[KVEvent]]
+
+
+class EventBatchLike(Protocol):
+    """What ``publish()`` accepts: any msgspec struct shaped like ``KVEventBatch`` (vLLM's too)."""
+
+    @property
+    def ts(self) -> float: ...
+
+    @property
+    def events(self) -> Sequence[Any]: ...
+
+    data_parallel_rank: int | None
+
+
+@dataclass
+class PublisherStats:
+    """Counters of one publisher. Once the queue is drained, ``published == sent +
+    dropped_queue_full + encode_errors + dropped_at_shutdown``: every seq is accounted for."""
+
+    published: int = 0
+    """Sequence numbers assigned, the leading clear included."""
+    sent: int = 0
+    dropped_queue_full: int = 0
+    encode_errors: int = 0
+    dropped_at_shutdown: int = 0
+    replay_requests: int = 0
+    replay_requests_invalid: int = 0
+    replay_batches_sent: int = 0
+    replays_completed: int = 0
+    replays_abandoned: int = 0
+    """Replies (replays and snapshots) given up: the client left or stopped reading."""
+    snapshot_requests: int = 0
+    snapshot_batches_sent: int = 0
+    snapshots_sent: int = 0
+    snapshots_unavailable: int = 0
+    """Snapshot requests answered with the end marker alone."""
+
+
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """Give each DP rank its own endpoint the way vLLM does, so clients find ranks where they look.
+
+    tcp: port + rank; inproc: ``_dp<rank>`` suffix; rank 0 and ``None`` unchanged; any other
+    transport with a rank above 0 is rejected, as vLLM rejects it.
+    """
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if "tcp" not in endpoint:
+        raise ValueError(f"cannot offset {endpoint!r} by DP rank: use tcp:// or inproc://")
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + data_parallel_rank}"
+
+
+def _should_bind(endpoint: str) -> bool:
+    """vLLM's convention: stable endpoints (wildcards, ipc, inproc) bind, host addresses connect."""
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or endpoint.startswith("ipc://")
+        or endpoint.startswith("inproc://")
+    )
+
+
+class _Handoff:
+    """What the engine thread and the publisher thread share. No lock: the GIL makes each deque
+    operation and attribute write atomic. Live batches are picked up by polling; only the rare
+    events (a snapshot taken, shutdown) wake the publisher thread through ``wake_fd``."""
+
+    __slots__ = ("abort", "closing", "queue", "snapshot_wanted", "snapshots", "wake_fd")
+
+    def __init__(self) -> None:
+        self.queue: deque[tuple[int, EventBatchLike]] = deque()
+        self.snapshots: deque[tuple[int, tuple[KVEvent, ...] | None]] = deque()
+        self.snapshot_wanted = False
+        self.closing = False
+        self.abort = False
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def wake(self) -> None:
+        os.eventfd_write(self.wake_fd, 1)
+
+
+class _ReplyKind(enum.Enum):
+    REPLAY = enum.auto()
+    SNAPSHOT = enum.auto()
+    NO_SNAPSHOT = enum.auto()
+
+
+class _ReplyStream:
+    """One client's reply in progress: the frames still to send, and when it last progressed."""
+
+    __slots__ = ("frames", "identity", "kind", "last_progress", "pending")
+
+    def __init__(
+        self, identity: bytes, kind: _ReplyKind, frames: Iterator[tuple[bytes, ...]], now: float
+    ) -> None:
+        self.identity = identity
+        self.kind = kind
+        self.frames = itertools.chain(frames, (_END_FRAMES,))
+        self.pending: tuple[bytes, ...] | None = None  # refused by a full pipe, sent next
+        self.last_progress = now
+
+
+class _StreamState(enum.Enum):
+    DONE = enum.auto()
+    MORE = enum.auto()  # budget spent, can send more right away
+    STALLED = enum.auto()  # the client's pipe is full
+    GONE = enum.auto()  # the client disconnected
+
+
+class _Snapshot:
+    """One provider result for every client waiting on it; chunks are encoded on first use, so a
+    big snapshot never holds up live batches for longer than one chunk."""
+
+    def __init__(
+        self,
+        seq: int,
+        events: tuple[KVEvent, ...],
+        *,
+        chunk_events: int,
+        topic: bytes,
+        data_parallel_rank: int,
+        encode: Callable[[Any], bytes],
+    ) -> None:
+        self._seq_frame = seq.to_bytes(8, "big")
+        self._events: list[KVEvent] = [AllBlocksCleared(), *events]
+        self._chunk_events = chunk_events
+        self._topic = topic
+        self._rank = data_parallel_rank
+        self._encode = encode
+        self._payloads: list[bytes] = []
+        self._ts = time.time()
+
+    def frames(self) -> Iterator[tuple[bytes, ...]]:
+        for index, start in enumerate(range(0, len(self._events), self._chunk_events)):
+            if index == len(self._payloads):
+                chunk = self._events[start : start + self._chunk_events]
+                self._payloads.append(self._encode(KVEventBatch(self._ts, chunk, self._rank)))
+            yield (self._topic, self._seq_frame, self._payloads[index])
+
+
+class _ReplayRing:
+    """The payloads of the last ``steps`` seqs, kept in buffers that are reused as the ring turns.
+
+    Encoding into a buffer that already has the room saves the publisher thread an allocation
+    and a free of a cold block per batch: about 1 of the 5 us a typical batch costs it here, the
+    whole price of keeping a ring. An empty buffer is a seq without a payload (dropped before it
+    was encoded, or not encodable).
+    """
+
+    def __init__(self, steps: int) -> None:
+        self._steps = steps
+        self._slots = [bytearray() for _ in range(max(steps, 1))]  # one scratch slot at 0 steps
+        self.end = 0  # the seq the next batch will have
+
+    @property
+    def first(self) -> int:
+        """The oldest seq still kept."""
+        return max(0, self.end - self._steps)
+
+    def skip_to(self, seq: int) -> None:
+        """Move past seqs that will never have a payload: they replay as gaps."""
+        slots = self._slots
+        for skipped in range(max(self.end, seq - len(slots)), seq):
+            slots[skipped % len(slots)].clear()
+        self.end = seq
+
+    def next_slot(self) -> bytearray:
+        """The buffer for seq ``end``, which becomes kept."""
+        slot = self._slots[self.end % len(self._slots)]
+        self.end += 1
+        return slot
+
+    def payload(self, seq: int) -> bytes | None:
+        """A copy of a kept seq's payload, so that later turns of the ring cannot change it."""
+        slot = self._slots[seq % len(self._slots)]
+        return bytes(slot) if slot else None
+
+
+@dataclass(frozen=True)
+class _LoopSettings:
+    flush_interval_ms: int
+    reply_budget: int
+    reply_timeout: float
+    snapshot_chunk_events: int
+    has_provider: bool
+
+
+class _PublisherLoop:
+    """Everything the publisher thread owns: the sockets, the replay ring, replies in progress."""
+
+    def __init__(
+        self,
+        handoff: _Handoff,
+        pub: zmq.Socket[bytes],
+        router: zmq.Socket[bytes] | None,
+        *,
+        topic: bytes,
+        data_parallel_rank: int,
+        buffer_steps: int,
+        settings: _LoopSettings,
+    ) -> None:
+        self._handoff = handoff
+        self._pub = pub
+        self._router = router
+        self._topic = topic
+        self._rank = data_parallel_rank
+        self._settings = settings
+        self._encoder = msgspec.msgpack.Encoder()
+        self._ring = _ReplayRing(buffer_steps)
+        self._streams: list[_ReplyStream] = []
+        self._snapshot_waiters: list[tuple[bytes, float]] = []
+        self._last_drop_log = -_DROP_LOG_INTERVAL_S
+        self._poller = zmq.Poller()
+        self._poller.register(handoff.wake_fd, zmq.POLLIN)
+        if router is not None:
+            self._poller.register(router, zmq.POLLIN)
+        self.stats = PublisherStats()
+        self.flush_deadline = 0.0  # monotonic time until which closing may flush the PUB socket
+
+    def run(self) -> None:
+        try:
+            while not self._handoff.abort:
+                self._send_live()
+                if self._handoff.closing and not self._handoff.queue:
+                    break
+                replies_pending = self._serve_replies()
+                if not (replies_pending or self._handoff.queue):
+                    self._wait()
+        except Exception:
+            logger.exception("KV-event publisher thread failed; no further batches are sent")
+        finally:
+            self._close()
+
+    # --- live batches -------------------------------------------------------------------------
+
+    def _send_live(self) -> None:
+        """Send a chunk of queued batches. This loop is the publisher's throughput: it keeps
+        what it uses in locals, and sends the three frames with three ``send`` calls, which take
+        half as long as one ``send_multipart``. A PUB socket never blocks or refuses: at its
+        high-water mark it drops, as vLLM's does."""
+        queue, ring, stats = self._handoff.queue, self._ring, self.stats
+        encode_into, send, topic = self._encoder.encode_into, self._pub.send, self._topic
+        for _ in range(min(_LIVE_CHUNK, len(queue))):
+            seq, batch = queue.popleft()
+            if seq != ring.end:
+                self._log_dropped(ring.end, seq)
+                ring.skip_to(seq)
+            payload = ring.next_slot()
+            try:
+                encode_into(batch, payload)
+            except (TypeError, msgspec.EncodeError):
+                payload.clear()
+                stats.encode_errors += 1
+                logger.exception("KV-event batch seq %d cannot be encoded; it becomes a gap", seq)
+                continue
+            send(topic, zmq.SNDMORE)
+            send(seq.to_bytes(8, "big"), zmq.SNDMORE)
+            send(payload)
+            stats.sent += 1
+
+    def _log_dropped(self, first: int, stop: int) -> None:
+        now = time.monotonic()
+        if now - self._last_drop_log >= _DROP_LOG_INTERVAL_S:  # at most one line per interval
+            self._last_drop_log = now
+            logger.warning(
+                "KV-event queue full: dropped seq %d..%d; the publisher thread cannot keep up "
+                "with publish() (stats().dropped_queue_full has the total)",
+                first,
+                stop - 1,
+            )
+
+    # --- replay and snapshot replies ----------------------------------------------------------
+
+    def _serve_replies(self) -> bool:
+        """Advance every reply; True when one could send more right away."""
+        if self._router is None:
+            return False
+        now = time.monotonic()
+        self._receive_requests(now)
+        self._start_snapshot_replies(now)
+        self._expire_snapshot_waiters(now)
+        states = [self._advance(stream, now) for stream in self._streams]
+        self._streams = [
+            stream
+            for stream, state in zip(self._streams, states, strict=True)
+            if self._keeps(stream, state, now)
+        ]
+        return _StreamState.MORE in states
+
+    def _receive_requests(self, now: float) -> None:
+        router = self._router
+        assert router is not None
+        while router.poll(0, zmq.POLLIN):
+            frames = router.recv_multipart(zmq.NOBLOCK)
+            if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
+                self.stats.replay_requests_invalid += 1
+                logger.warning("invalid replay request ignored: %d frames", len(frames))
+                continue
+            identity, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            if start_seq == SNAPSHOT_REQUEST:
+                self._request_snapshot(identity, now)
+            else:
+                self.stats.replay_requests += 1
+                frames_iter = self._ring_frames(start_seq, self._ring.end)
+                self._streams.append(_ReplyStream(identity, _ReplyKind.REPLAY, frames_iter, now))
+
+    def _ring_frames(self, start_seq: int, end_seq: int) -> Iterator[tuple[bytes, ...]]:
+        """Replay ring entries lazily, so a slow reply skips entries evicted meanwhile."""
+        seq = start_seq
+        while seq < end_seq:
+            seq = max(seq, self._ring.first)
+            if seq >= end_seq:
+                return
+            payload = self._ring.payload(seq)
+            if payload is not None:
+                yield (self._topic, seq.to_bytes(8, "big"), payload)
+            seq += 1
+
+    def _request_snapshot(self, identity: bytes, now: float) -> None:
+        self.stats.snapshot_requests += 1
+        if not self._settings.has_provider:
+            self._reply_no_snapshot(identity, now, "this publisher has no snapshot provider")
+            return
+        self._snapshot_waiters.append((identity, now))
+        self._handoff.snapshot_wanted = True
+
+    def _reply_no_snapshot(self, identity: bytes, now: float, cause: str) -> None:
+        self.stats.snapshots_unavailable += 1
+        logger.warning("snapshot request answered without a snapshot: %s", cause)
+        self._streams.append(_ReplyStream(identity, _ReplyKind.NO_SNAPSHOT, iter(()), now))
+
+    def _start_snapshot_replies(self, now: float) -> None:
+        """Every waiting client gets the newest snapshot: any consistent one will do."""
+        while self._handoff.snapshots:
+            seq, events = self._handoff.snapshots.popleft()
+            waiters, self._snapshot_waiters = self._snapshot_waiters, []
+            if events is None:
+                for identity, _ in waiters:
+                    self._reply_no_snapshot(identity, now, "the snapshot provider failed")
+                continue
+            snapshot = _Snapshot(
+                seq,
+                events,
+                chunk_events=self._settings.snapshot_chunk_events,
+                topic=self._topic,
+                data_parallel_rank=self._rank,
+                encode=self._encoder.encode,
+            )
+            for identity, _ in waiters:
+                stream = _ReplyStream(identity, _ReplyKind.SNAPSHOT, snapshot.frames(), now)
+                self._streams.append(stream)
+
+    def _expire_snapshot_waiters(self, now: float) -> None:
+        deadline = now - self._settings.reply_timeout
+        while self._snapshot_waiters and self._snapshot_waiters[0][1] <= deadline:
+            identity, _ = self._snapshot_waiters.pop(0)
+            cause = "the engine called neither publish() nor service_snapshot_requests() in time"
+            self._reply_no_snapshot(identity, now, cause)
+            if not self._snapshot_waiters:  # spare the engine a snapshot nobody waits for
+                self._handoff.snapshot_wanted = False
+
+    def _advance(self, stream: _ReplyStream, now: float) -> _StreamState:
+        router = self._router
+        assert router is not None
+        for _ in range(self._settings.reply_budget):
+            frames = stream.pending or next(stream.frames)
+            try:
+                router.send_multipart((stream.identity, b"", *frames), zmq.NOBLOCK)
+            except zmq.Again:
+                stream.pending = frames
+                return _StreamState.STALLED
+            except zmq.ZMQError as error:
+                if error.errno == zmq.EHOSTUNREACH:
+                    return _StreamState.GONE
+                raise
+            stream.pending = None
+            stream.last_progress = now
+            if frames is _END_FRAMES:
+                return _StreamState.DONE
+            self._count_batch_sent(stream.kind)
+        return _StreamState.MORE
+
+    def _count_batch_sent(self, kind: _ReplyKind) -> None:
+        if kind is _ReplyKind.REPLAY:
+            self.stats.replay_batches_sent += 1
+        else:
+            self.stats.snapshot_batches_sent += 1
+
+    def _keeps(self, stream: _ReplyStream, state: _StreamState, now: float) -> bool:
+        """Account for a finished or hopeless reply; True while the reply goes on."""
+        if state is _StreamState.DONE:
+            if stream.kind is _ReplyKind.REPLAY:
+                self.stats.replays_completed += 1
+            elif stream.kind is _ReplyKind.SNAPSHOT:
+                self.stats.snapshots_sent += 1
+            return False
+        if state is _StreamState.GONE:
+            self._abandon(stream, "the client disconnected")
+            return False
+        if (
+            state is _StreamState.STALLED
+            and now - stream.last_progress > self._settings.reply_timeout
+        ):
+            self._abandon(stream, f"the client read nothing for {self._settings.reply_timeout:g} s")
+            return False
+        return True
+
+    def _abandon(self, stream: _ReplyStream, cause: str) -> None:
+        self.stats.replays_abandoned += 1
+        logger.warning("%s reply abandoned: %s", stream.kind.name.lower(), cause)
+
+    # --- waiting and closing ------------------------------------------------------------------
+
+    def _wait(self) -> None:
+        """Sleep one flush interval, or less if a client writes or the engine wakes the thread."""
+        ready = dict(self._poller.poll(self._settings.flush_interval_ms))
+        if self._handoff.wake_fd in ready:
+            os.eventfd_read(self._handoff.wake_fd)
+
+    def _close(self) -> None:
+        if self._streams or self._snapshot_waiters:
+            logger.warning(
+                "publisher closing with %d replies unfinished",
+                len(self._streams) + len(self._snapshot_waiters),
+            )
+        self.stats.dropped_at_shutdown = len(self._handoff.queue)
+        linger_ms = int(max(0.0, self.flush_deadline - time.monotonic()) * 1000)
+        self._pub.close(linger=linger_ms)
+        if self._router is not None:
+            self._router.close(linger=0)
+
+
+class ZmqEventPublisher:
+    """Drop-in for vLLM's ``ZmqEventPublisher`` that never blocks the engine thread.
+
+    The positional-or-keyword arguments are vLLM's, with vLLM's defaults. hmakv's own options are
+    keyword-only: ``snapshot_provider`` (see the module docstring), ``snapshot_chunk_events``,
+    ``replay_budget`` (messages per reply per loop turn), ``replay_timeout`` (seconds a reply may
+    make no progress), ``replay_hwm`` (ROUTER send high-water mark), ``flush_interval_ms`` (how
+    often an idle publisher thread looks for batches and requests), ``shutdown_timeout`` and
+    ``context`` (defaults to a private one, terminated on shutdown so queued batches are flushed;
+    pass a shared one to reach ``inproc://`` endpoints from other sockets).
+    """
+
+    def __init__(
+        self,
+        data_parallel_rank: int,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        topic: str = "",
+        *,
+        snapshot_provider: SnapshotProvider | None = None,
+        snapshot_chunk_events: int = 1024,
+        replay_budget: int = 64,
+        replay_timeout: float = 5.0,
+        replay_hwm: int = 1000,
+        flush_interval_ms: int = 1,
+        shutdown_timeout: float = 1.0,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        if min(max_queue_size, snapshot_chunk_events, replay_budget, flush_interval_ms) < 1:
+            raise ValueError(
+                "max_queue_size, snapshot_chunk_events, replay_budget and flush_interval_ms "
+                "must be at least 1"
+            )
+        if buffer_steps < 0:
+            raise ValueError("buffer_steps must not be negative")
+        self._data_parallel_rank = data_parallel_rank
+        self._max_queue_size = max_queue_size
+        self._snapshot_provider = snapshot_provider
+        self._shutdown_timeout = shutdown_timeout
+        self._owns_context = context is None
+        self._ctx = zmq.Context() if context is None else context
+        self._endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
+        self._replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
+        pub, router = self._open_sockets(hwm, replay_hwm)
+        self._handoff = _Handoff()
+        self._loop = _PublisherLoop(
+            self._handoff,
+            pub,
+            router,
+            topic=topic.encode("utf-8"),
+            data_parallel_rank=data_parallel_rank,
+            buffer_steps=buffer_steps,
+            settings=_LoopSettings(
+                flush_interval_ms=flush_interval_ms,
+                reply_budget=replay_budget,
+                reply_timeout=replay_timeout,
+                snapshot_chunk_events=snapshot_chunk_events,
+                has_provider=snapshot_provider is not None,
+            ),
+        )
+        self._next_seq = 0
+        self._dropped_queue_full = 0
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._loop.run, name="hmakv-kv-event-publisher", daemon=True
+        )
+        self._thread.start()
+        self.publish(KVEventBatch(time.time(), [AllBlocksCleared()]))
+
+    @property
+    def endpoint(self) -> str:
+        """The PUB endpoint after the DP-rank offset."""
+        assert self._endpoint is not None
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The ROUTER endpoint after the DP-rank offset, if replay is enabled."""
+        return self._replay_endpoint
+
+    def publish(self, events: EventBatchLike) -> None:
+        """Assign the next seq and queue the batch; drops it (seq kept) when the queue is full.
+
+        Named ``events`` like vLLM's parameter. The batch must not be changed after this call: it
+        is encoded later, on the publisher thread.
+        """
+        if self._closed:
+            raise RuntimeError("Publisher is closed")
+        if events.data_parallel_rank is None:
+            events.data_parallel_rank = self._data_parallel_rank
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        handoff = self._handoff
+        if len(handoff.queue) < self._max_queue_size:
+            handoff.queue.append((seq, events))
+        else:
+            self._dropped_queue_full += 1
+        if handoff.snapshot_wanted:
+            self._take_snapshot(seq)
+
+    def service_snapshot_requests(self) -> None:
+        """Serve a pending snapshot request at the last assigned seq; call from the engine thread
+        once per idle step, where every change to the blocks has been published."""
+        if self._handoff.snapshot_wanted and not self._closed:
+            self._take_snapshot(self._next_seq - 1)
+
+    def stats(self) -> PublisherStats:
+        """A copy of the counters, readable from any thread."""
+        return replace(
+            self._loop.stats,
+            published=self._next_seq,
+            dropped_queue_full=self._dropped_queue_full,
+        )
+
+    def shutdown(self) -> None:
+        """Send what is queued within ``shutdown_timeout`` seconds, then close the sockets.
+
+        Batches still queued at the deadline are dropped, counted and logged. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + self._shutdown_timeout
+        self._loop.flush_deadline = deadline
+        self._handoff.closing = True
+        self._handoff.wake()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            self._handoff.abort = True
+            self._handoff.wake()
+            self._thread.join()
+        unsent = self._loop.stats.dropped_at_shutdown
+        if unsent:
+            logger.warning("publisher shut down with %d batches unsent (timeout)", unsent)
+        os.close(self._handoff.wake_fd)
+        if self._owns_context:
+            self._ctx.term()
+
+    def __enter__(self) -> ZmqEventPublisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # --- engine-thread helpers ----------------------------------------------------------------
+
+    def _take_snapshot(self, seq: int) -> None:
+        """Run the provider here, on the engine thread, so the snapshot is the state after seq."""
+        assert self._snapshot_provider is not None
+        self._handoff.snapshot_wanted = False
+        events: tuple[KVEvent, ...] | None
+        try:
+            events = tuple(self._snapshot_provider())
+        except Exception:
+            logger.exception("snapshot provider failed; the requesters get no snapshot")
+            events = None
+        self._handoff.snapshots.append((seq, events))
+        self._handoff.wake()
+
+    def _open_sockets(
+        self, hwm: int, replay_hwm: int
+    ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        """Bind or connect here, so a taken port fails the constructor, as in vLLM; on failure
+        close what was opened, since no shutdown() will follow."""
+        opened: list[zmq.Socket[bytes]] = []
+        try:
+            pub = self._ctx.socket(zmq.PUB)
+            opened.append(pub)
+            pub.set_hwm(hwm)
+            if _should_bind(self.endpoint):
+                pub.bind(self.endpoint)
+            else:
+                pub.connect(self.endpoint)
+            if self._replay_endpoint is None:
+                return pub, None
+            router = self._ctx.socket(zmq.ROUTER)
+            opened.append(router)
+            # Refuse instead of silently dropping replies to a full or departed client.
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            router.setsockopt(zmq.SNDHWM, replay_hwm)
+            router.bind(self._replay_endpoint)
+            return pub, router
+        except zmq.ZMQError:
+            for sock in opened:
+                sock.close(linger=0)
+            if self._owns_context:
+                self._ctx.term()
+            raise
