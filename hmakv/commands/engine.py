@@ -1,0 +1,281 @@
+"""``hmakv engine``: run the reference hybrid engine and publish its KV events like vLLM does.
+
+It is the stand-in for a vLLM fleet in demos and tests: a seeded workload drives a
+continuous-batching scheduler over the hybrid cache manager (and the toy torch model unless
+``--no-model``), and every step's events go out on vLLM's ZMQ protocol. Wiring only: the engine
+itself is ``producer.engine.runner``, imported when the command runs so that other subcommands
+never pay for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+import zmq
+
+from producer.engine.profiles import PROFILES
+from producer.engine.workloads import WORKLOADS
+
+EXIT_OK = 0
+EXIT_RUNTIME_FAILURE = 1
+EXIT_BAD_USAGE = 2
+
+_ENV_PREFIX = "HMAKV_ENGINE_"
+
+_EPILOG = """\
+Every option can also be set by an environment variable: HMAKV_ENGINE_ and the option name in
+capitals with - as _ (HMAKV_ENGINE_NO_MODEL=1 for --no-model). A status line goes to stderr every
+--status-interval seconds and a summary at exit; SIGINT and SIGTERM stop the engine cleanly,
+sending every queued batch first.
+
+examples:
+  hmakv engine --profile gpt-oss-like --workload chat
+  hmakv engine --no-model --workload documents --rate 50 --endpoint tcp://*:5557 \\
+      --replay-endpoint tcp://*:5560 --api 127.0.0.1:8300
+  hmakv decode --zmq tcp://127.0.0.1:5557     # watch it, in another terminal"""
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(_ENV_PREFIX + name, default)
+
+
+def _env_flag(name: str) -> bool:
+    return (_env(name) or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(text)
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(text)
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(text)
+    return host, int(port)
+
+
+_positive_float.__name__ = "positive number"  # argparse names the type in its error message
+_non_negative_float.__name__ = "non-negative number"
+_positive_int.__name__ = "positive integer"
+_non_negative_int.__name__ = "non-negative integer"
+_host_port.__name__ = "HOST:PORT"
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "engine",
+        help="run the reference hybrid engine, publishing vLLM-compatible KV events on ZMQ",
+        description="Run the reference hybrid engine (vLLM's KV-cache manager semantics, a toy "
+        "torch model) on a seeded workload and publish its KV-cache events over vLLM's ZMQ "
+        "protocol.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_engine_options(parser)
+    _add_publisher_options(parser)
+    _add_run_options(parser)
+    parser.set_defaults(func=run)
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=_env("PROFILE", "gpt-oss-like"),
+        help="model profile: its KV-cache groups (default gpt-oss-like)",
+    )
+    parser.add_argument(
+        "--num-blocks",
+        type=_positive_int,
+        default=_env("NUM_BLOCKS"),
+        help="override the profile's block pool size (null block included)",
+    )
+    parser.add_argument(
+        "--no-model",
+        action="store_true",
+        default=_env_flag("NO_MODEL"),
+        help="run the scheduler and cache without the torch model (synthetic tokens)",
+    )
+    parser.add_argument(
+        "--device",
+        default=_env("DEVICE"),
+        help="torch device for the model, e.g. cpu or cuda:0 (default: cuda if available)",
+    )
+    parser.add_argument(
+        "--token-budget",
+        type=_positive_int,
+        default=_env("TOKEN_BUDGET", "512"),
+        help="tokens per step, vLLM's max_num_batched_tokens (default 512)",
+    )
+    parser.add_argument(
+        "--max-running",
+        type=_positive_int,
+        default=_env("MAX_RUNNING", "64"),
+        help="requests per step, vLLM's max_num_seqs (default 64)",
+    )
+
+
+def _add_publisher_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--endpoint",
+        default=_env("ENDPOINT", "tcp://*:5557"),
+        help="ZMQ PUB endpoint; wildcards bind, host addresses connect (default tcp://*:5557)",
+    )
+    parser.add_argument(
+        "--replay-endpoint",
+        default=_env("REPLAY_ENDPOINT"),
+        help="ZMQ ROUTER endpoint for replay and snapshot requests (default: none)",
+    )
+    parser.add_argument("--topic", default=_env("TOPIC", ""), help="ZMQ topic (default empty)")
+    parser.add_argument(
+        "--worker-name",
+        default=_env("WORKER_NAME", "engine"),
+        help="this engine's name in status output (default engine)",
+    )
+    parser.add_argument(
+        "--dp-rank",
+        type=_non_negative_int,
+        default=_env("DP_RANK", "0"),
+        help="data-parallel rank: offsets tcp ports and stamps batches, as vLLM does (default 0)",
+    )
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default=_env("WORKLOAD", "chat"),
+        help="traffic: chat, documents, random-prefix, or none (API only); default chat",
+    )
+    parser.add_argument(
+        "--rate",
+        type=_positive_float,
+        default=_env("RATE", "10"),
+        help="workload requests per second, Poisson arrivals (default 10)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=_env("SEED", "0"),
+        help="seed of the workload and the model weights (default 0)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=_positive_float,
+        default=_env("DURATION"),
+        help="stop after this many seconds (default: run until SIGINT or SIGTERM)",
+    )
+    parser.add_argument(
+        "--api",
+        type=_host_port,
+        default=_env("API"),
+        metavar="HOST:PORT",
+        help="serve the HTTP API (requests, lookup, status) here, e.g. 127.0.0.1:8300",
+    )
+    parser.add_argument(
+        "--status-interval",
+        type=_non_negative_float,
+        default=_env("STATUS_INTERVAL", "5"),
+        metavar="SECONDS",
+        help="seconds between status lines on stderr, 0 for none (default 5)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from producer.engine.runner import Engine, EngineConfig  # the engine only when it runs
+
+    config = EngineConfig(
+        profile=args.profile,
+        workload=args.workload,
+        rate=args.rate,
+        use_model=not args.no_model,
+        endpoint=args.endpoint,
+        replay_endpoint=args.replay_endpoint,
+        topic=args.topic,
+        worker_name=args.worker_name,
+        dp_rank=args.dp_rank,
+        device=args.device,
+        seed=args.seed,
+        duration=args.duration,
+        num_blocks=args.num_blocks,
+        api=args.api,
+        status_interval=args.status_interval,
+        token_budget=args.token_budget,
+        max_running=args.max_running,
+    )
+    try:
+        engine = Engine(config)
+    except zmq.ZMQError as error:
+        return _fail(f"cannot open the ZMQ sockets: {error}", EXIT_RUNTIME_FAILURE)
+    except ImportError as error:
+        return _fail(
+            f"the model needs torch ({error}): install hmakv[engine], or run with --no-model",
+            EXIT_RUNTIME_FAILURE,
+        )
+    except (OSError, RuntimeError) as error:
+        return _fail(f"cannot start the engine: {error}", EXIT_RUNTIME_FAILURE)
+    except ValueError as error:
+        return _fail(str(error), EXIT_BAD_USAGE)
+    with _stop_on_signals(engine.request_stop):
+        summary = engine.run()
+    _report(summary.text())
+    return EXIT_OK
+
+
+@contextmanager
+def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM stop the engine loop instead of killing it mid-step."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed on the main thread
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        stop()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _report(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _fail(message: str, code: int) -> int:
+    _report(f"hmakv engine: {message}")
+    return code

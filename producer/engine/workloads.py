@@ -1,0 +1,300 @@
+"""Seeded request streams for the reference engine, shaped like the traffic prefix caching is for.
+
+A router's prefix-hit estimate only matters when prompts share prefixes, and how they share them
+decides what the cache keeps and evicts. So each workload reproduces one sharing pattern:
+
+- ``chat``: conversations that open with one of a few shared system prompts; every later turn's
+  prompt is the previous prompt plus the model's answer plus new user text, so a turn hits the
+  whole previous turn if it is still cached;
+- ``documents``: many users asking questions about the same few long documents;
+- ``random-prefix``: stress: prompts cut from many random prefixes at unaligned lengths plus a
+  random tail, so blocks are shared partly, duplicated by concurrent requests, and evicted all the
+  time;
+- ``none``: no traffic of its own (requests come only from the engine's HTTP API).
+
+A workload decides what is asked, an ``ArrivalSchedule`` decides when. Both draw from their own
+``random.Random(seed)``, so the same seed and the same answers (``finished`` calls, in the same
+order) give the same requests. Sizes scale with ``context_tokens``, the longest prompt the engine
+wants to see, so one workload fits a small test pool and a large one alike.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+MIN_CONTEXT_TOKENS = 64
+"""Below this the sharing patterns degenerate (a system prompt shorter than one block)."""
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request a workload wants served: its prompt and how many tokens to generate."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+
+
+class Workload(Protocol):
+    """A source of requests that may depend on the answers to earlier ones."""
+
+    @property
+    def name(self) -> str: ...
+
+    def next_request(self) -> RequestSpec | None:
+        """The next request to submit, or None when this workload generates none."""
+
+    def finished(
+        self, request_id: str, output_token_ids: Sequence[int], *, completed: bool = True
+    ) -> None:
+        """A request of this workload ended with these generated tokens; ``completed`` is False
+        when the engine aborted it (its output is then partial)."""
+
+
+class UnknownWorkload(KeyError):
+    """No workload has that name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class _TokenSource:
+    """Random token ids below the vocabulary size, from the workload's own seeded generator."""
+
+    def __init__(self, rng: random.Random, vocab_size: int) -> None:
+        if vocab_size < 2:
+            raise ValueError(
+                f"a workload needs a vocabulary of at least 2 tokens, got {vocab_size}"
+            )
+        self.rng = rng
+        self._vocab_size = vocab_size
+
+    def tokens(self, count: int) -> tuple[int, ...]:
+        randrange = self.rng.randrange
+        return tuple(randrange(self._vocab_size) for _ in range(count))
+
+    def between(self, bounds: tuple[int, int]) -> int:
+        return self.rng.randint(*bounds)
+
+
+def _check_context(context_tokens: int) -> None:
+    if context_tokens < MIN_CONTEXT_TOKENS:
+        raise ValueError(
+            f"context_tokens must be at least {MIN_CONTEXT_TOKENS}, got {context_tokens}"
+        )
+
+
+@dataclass
+class _Conversation:
+    conversation_id: int
+    history: tuple[int, ...]
+    turns: int
+    turns_wanted: int
+
+
+class ChatWorkload:
+    """Multi-turn chat: shared system prompts, then histories that grow turn by turn.
+
+    A conversation waiting for its next turn is served before a new one starts, as returning users
+    keep a chat service's traffic mostly follow-ups. A conversation ends after its drawn number of
+    turns, when the next turn would exceed ``context_tokens``, or when a turn was aborted.
+    """
+
+    name = "chat"
+
+    def __init__(
+        self,
+        *,
+        seed: int,
+        vocab_size: int,
+        context_tokens: int,
+        num_system_prompts: int = 4,
+        max_turns: int = 6,
+    ) -> None:
+        _check_context(context_tokens)
+        self._source = _TokenSource(random.Random(seed), vocab_size)
+        self._context_tokens = context_tokens
+        self._max_turns = max_turns
+        system_bounds = (context_tokens // 8, context_tokens // 4)
+        self.system_prompts = tuple(
+            self._source.tokens(self._source.between(system_bounds))
+            for _ in range(num_system_prompts)
+        )
+        self._user_bounds = (4, max(8, context_tokens // 16))
+        self._output_bounds = (4, max(8, context_tokens // 32))
+        self._ready: deque[_Conversation] = deque()
+        self._in_flight: dict[str, tuple[_Conversation, tuple[int, ...]]] = {}
+        self._conversations = 0
+
+    def next_request(self) -> RequestSpec:
+        conversation = self._ready.popleft() if self._ready else self._new_conversation()
+        prompt = conversation.history + self._source.tokens(self._source.between(self._user_bounds))
+        request_id = f"chat-{conversation.conversation_id}-{conversation.turns}"
+        conversation.turns += 1
+        self._in_flight[request_id] = (conversation, prompt)
+        return RequestSpec(request_id, prompt, self._source.between(self._output_bounds))
+
+    def finished(
+        self, request_id: str, output_token_ids: Sequence[int], *, completed: bool = True
+    ) -> None:
+        entry = self._in_flight.pop(request_id, None)
+        if entry is None or not completed:
+            return
+        conversation, prompt = entry
+        history = prompt + tuple(output_token_ids)
+        longest_next = len(history) + self._user_bounds[1] + self._output_bounds[1]
+        if conversation.turns < conversation.turns_wanted and longest_next <= self._context_tokens:
+            conversation.history = history
+            self._ready.append(conversation)
+
+    def _new_conversation(self) -> _Conversation:
+        self._conversations += 1
+        rng = self._source.rng
+        return _Conversation(
+            conversation_id=self._conversations,
+            history=rng.choice(self.system_prompts),
+            turns=0,
+            turns_wanted=rng.randint(1, self._max_turns),
+        )
+
+
+class DocumentsWorkload:
+    """Many users asking about a few long documents: prompt = document + question.
+
+    Document popularity is skewed (the first is asked about most), as hot documents are in
+    practice, so the cache holds the popular ones while the rest come and go.
+    """
+
+    name = "documents"
+
+    def __init__(
+        self, *, seed: int, vocab_size: int, context_tokens: int, num_documents: int = 3
+    ) -> None:
+        _check_context(context_tokens)
+        self._source = _TokenSource(random.Random(seed), vocab_size)
+        document_bounds = (context_tokens // 3, context_tokens // 2)
+        self.documents = tuple(
+            self._source.tokens(self._source.between(document_bounds)) for _ in range(num_documents)
+        )
+        self._weights = [1.0 / (rank + 1) for rank in range(num_documents)]
+        self._question_bounds = (8, max(16, context_tokens // 32))
+        self._output_bounds = (4, max(8, context_tokens // 64))
+        self._requests = 0
+
+    def next_request(self) -> RequestSpec:
+        rng = self._source.rng
+        document = rng.choices(self.documents, weights=self._weights)[0]
+        question = self._source.tokens(self._source.between(self._question_bounds))
+        self._requests += 1
+        return RequestSpec(
+            f"doc-{self._requests}",
+            document + question,
+            self._source.between(self._output_bounds),
+        )
+
+    def finished(
+        self, request_id: str, output_token_ids: Sequence[int], *, completed: bool = True
+    ) -> None:
+        """Answers do not feed later questions."""
+
+
+class RandomPrefixWorkload:
+    """Stress: prompts cut at random lengths from many random prefixes, plus a random tail.
+
+    Cuts rarely fall on block boundaries and prefixes outnumber what the cache holds, so every
+    kind of partial hit, duplicate copy (two requests computing the same blocks at once) and
+    eviction shows up quickly.
+    """
+
+    name = "random-prefix"
+
+    def __init__(
+        self, *, seed: int, vocab_size: int, context_tokens: int, num_prefixes: int = 32
+    ) -> None:
+        _check_context(context_tokens)
+        self._source = _TokenSource(random.Random(seed), vocab_size)
+        self.prefixes = tuple(self._source.tokens(context_tokens // 2) for _ in range(num_prefixes))
+        self._tail_bounds = (1, context_tokens // 4)
+        self._output_bounds = (1, 16)
+        self._requests = 0
+
+    def next_request(self) -> RequestSpec:
+        rng = self._source.rng
+        prefix = rng.choice(self.prefixes)
+        cut = prefix[: rng.randint(0, len(prefix))]
+        tail = self._source.tokens(self._source.between(self._tail_bounds))
+        self._requests += 1
+        return RequestSpec(
+            f"rand-{self._requests}", cut + tail, self._source.between(self._output_bounds)
+        )
+
+    def finished(
+        self, request_id: str, output_token_ids: Sequence[int], *, completed: bool = True
+    ) -> None:
+        """Answers do not feed later prompts."""
+
+
+class NoWorkload:
+    """No traffic: an engine that serves only what its HTTP API is sent."""
+
+    name = "none"
+
+    def next_request(self) -> None:
+        return None
+
+    def finished(
+        self, request_id: str, output_token_ids: Sequence[int], *, completed: bool = True
+    ) -> None:
+        """Nothing to follow up."""
+
+
+WORKLOADS = ("chat", "documents", "random-prefix", "none")
+
+
+def make_workload(name: str, *, seed: int, vocab_size: int, context_tokens: int) -> Workload:
+    """The workload called ``name``; the error lists the names there are."""
+    if name == "chat":
+        return ChatWorkload(seed=seed, vocab_size=vocab_size, context_tokens=context_tokens)
+    if name == "documents":
+        return DocumentsWorkload(seed=seed, vocab_size=vocab_size, context_tokens=context_tokens)
+    if name == "random-prefix":
+        return RandomPrefixWorkload(seed=seed, vocab_size=vocab_size, context_tokens=context_tokens)
+    if name == "none":
+        return NoWorkload()
+    raise UnknownWorkload(f"unknown workload {name!r}; known workloads: {', '.join(WORKLOADS)}")
+
+
+class ArrivalSchedule:
+    """Poisson arrivals at ``rate`` requests per second, for ``duration`` seconds if given.
+
+    Arrival times are drawn ahead from a seeded generator and compared with the caller's clock,
+    so the sequence of times is reproducible while the wall clock decides only how many are due.
+    """
+
+    def __init__(self, rate: float, *, seed: int, duration: float | None = None) -> None:
+        if not rate > 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        self._rate = rate
+        self._rng = random.Random(seed)
+        self._duration = duration
+        self._next = self._rng.expovariate(rate)
+
+    @property
+    def next_arrival(self) -> float | None:
+        """Seconds from the start at which the next request arrives; None once past duration."""
+        if self._duration is not None and self._next > self._duration:
+            return None
+        return self._next
+
+    def due(self, elapsed: float) -> int:
+        """How many arrivals happened up to ``elapsed`` seconds that were not yet counted."""
+        count = 0
+        limit = elapsed if self._duration is None else min(elapsed, self._duration)
+        while self._next <= limit:
+            count += 1
+            self._next += self._rng.expovariate(self._rate)
+        return count

@@ -1,0 +1,339 @@
+"""The vLLM general plugin, against vLLM's documented publisher interface.
+
+vLLM itself cannot be installed here (it needs a GPU build and gigabytes of dependencies), so
+``vllm.distributed.kv_events`` is faked: an ``EventPublisherFactory`` that behaves like vLLM's
+(a ``_registry`` holding "null" and "zmq", ``register_publisher`` refusing an existing name,
+``create`` passing ``asdict(config)`` minus ``publisher`` and ``enable_kv_cache_events`` as
+keywords), a ``KVEventsConfig`` dataclass with vLLM's fields, and msgspec event structs shaped
+like vLLM's (array-like batch, events tagged with their class name and encoded as maps). The
+ZMQ side is real: sockets on loopback, frames decoded by hmakv's decoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import msgspec
+import pytest
+import zmq
+
+from producer import events as hmakv_events
+from producer import vllm_plugin
+from producer.publisher import ZmqEventPublisher
+
+WAIT_S = 10.0
+
+
+# --- vLLM's shapes ----------------------------------------------------------------------------
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+@dataclasses.dataclass
+class KVEventsConfig:
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+
+@dataclasses.dataclass
+class NewerKVEventsConfig(KVEventsConfig):
+    """A later vLLM with config fields hmakv's publisher does not know."""
+
+    reconciliation_enabled: bool = False
+    reconciliation_digest_interval_s: float = 30.0
+
+
+class NullEventPublisher:
+    def publish(self, events: Any) -> None:
+        return
+
+    def shutdown(self) -> None:
+        return
+
+
+class VllmZmqEventPublisher(NullEventPublisher):
+    """Stands for vLLM's own ZMQ publisher: only its identity in the registry matters here."""
+
+
+def fake_kv_events_module() -> types.ModuleType:
+    """A fresh ``vllm.distributed.kv_events`` whose factory acts like vLLM's."""
+
+    class EventPublisherFactory:
+        _registry: ClassVar[dict[str, Callable[..., Any]]] = {
+            "null": NullEventPublisher,
+            "zmq": VllmZmqEventPublisher,
+        }
+
+        @classmethod
+        def register_publisher(cls, name: str, ctor: Callable[..., Any]) -> None:
+            if name in cls._registry:
+                raise KeyError(f"publisher '{name}' already registered")
+            cls._registry[name] = ctor
+
+        @classmethod
+        def create(cls, config: KVEventsConfig | None, data_parallel_rank: int = 0) -> Any:
+            if config is None or not config.enable_kv_cache_events or config.publisher == "null":
+                return NullEventPublisher()
+            config_dict = dataclasses.asdict(config)
+            kind = config_dict.pop("publisher")
+            config_dict.pop("enable_kv_cache_events")
+            return cls._registry[kind](data_parallel_rank=data_parallel_rank, **config_dict)
+
+    module = types.ModuleType("vllm.distributed.kv_events")
+    module.EventPublisherFactory = EventPublisherFactory  # type: ignore[attr-defined]
+    return module
+
+
+@pytest.fixture
+def kv_events(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    module = fake_kv_events_module()
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.distributed", types.ModuleType("vllm.distributed"))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.kv_events", module)
+    return module
+
+
+@pytest.fixture
+def opted_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(vllm_plugin.OPT_IN_ENV, "1")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def sub_port() -> Iterator[tuple[zmq.Socket[bytes], int]]:
+    """A SUB socket bound on loopback; publishers connect to it as vLLM's do to a host."""
+    with zmq.Context() as ctx, ctx.socket(zmq.SUB) as sub:
+        sub.setsockopt(zmq.LINGER, 0)
+        port = sub.bind_to_random_port("tcp://127.0.0.1")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        yield sub, port
+
+
+def registry(module: types.ModuleType) -> dict[str, Callable[..., Any]]:
+    table: dict[str, Callable[..., Any]] = module.EventPublisherFactory._registry
+    return table
+
+
+# --- registration -----------------------------------------------------------------------------
+
+
+def test_without_opt_in_the_registry_is_left_alone(
+    kv_events: types.ModuleType, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(vllm_plugin.OPT_IN_ENV, raising=False)
+    caplog.set_level(logging.DEBUG, logger=vllm_plugin.__name__)
+
+    vllm_plugin.register()
+
+    assert registry(kv_events) == {"null": NullEventPublisher, "zmq": VllmZmqEventPublisher}
+    assert any(
+        r.levelno == logging.DEBUG and vllm_plugin.OPT_IN_ENV in r.getMessage()
+        for r in caplog.records
+    )
+
+
+@pytest.mark.usefixtures("opted_in")
+def test_opting_in_puts_hmakv_in_place_of_zmq_once(kv_events: types.ModuleType) -> None:
+    vllm_plugin.register()
+    vllm_plugin.register()  # vLLM may load general plugins more than once
+
+    assert registry(kv_events) == {"null": NullEventPublisher, "zmq": vllm_plugin.create_publisher}
+    with pytest.raises(KeyError, match="already registered"):
+        kv_events.EventPublisherFactory.register_publisher("zmq", VllmZmqEventPublisher)
+
+
+@pytest.mark.usefixtures("opted_in")
+def test_opting_in_without_vllm_logs_an_error_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
+    with caplog.at_level(logging.ERROR, logger=vllm_plugin.__name__):
+        vllm_plugin.register()
+    assert any("cannot be imported" in r.getMessage() for r in caplog.records)
+
+
+def test_the_plugin_module_imports_without_importing_vllm() -> None:
+    check = "import sys, producer.vllm_plugin; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=WAIT_S)
+
+
+# --- the publisher vLLM gets --------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("opted_in")
+def test_create_yields_hmakv_publisher_on_the_configured_endpoints(
+    kv_events: types.ModuleType,
+) -> None:
+    vllm_plugin.register()
+    pub_port, replay_port = free_port(), free_port()
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://127.0.0.1:{pub_port}",
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+    )
+
+    publisher = kv_events.EventPublisherFactory.create(config, data_parallel_rank=1)
+    try:
+        assert isinstance(publisher, ZmqEventPublisher)
+        # vLLM's data-parallel convention: every port offset by the rank.
+        assert publisher.endpoint == f"tcp://127.0.0.1:{pub_port + 1}"
+        assert publisher.replay_endpoint == f"tcp://127.0.0.1:{replay_port + 1}"
+    finally:
+        publisher.shutdown()
+
+
+def vllm_step(step: int) -> KVEventBatch:
+    """A vLLM step batch as vLLM's scheduler hands it over: no rank yet, HMA fields set."""
+    return KVEventBatch(
+        ts=time.time(),
+        events=[
+            BlockStored(
+                block_hashes=[2**64 - 1 - step, 7 + step],
+                parent_block_hash=None if step == 0 else 7 + step - 1,
+                token_ids=list(range(32)),
+                block_size=16,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                extra_keys=[None, None],
+                group_idx=1,
+                kv_cache_spec_kind="sliding_window",
+                kv_cache_spec_sliding_window=128,
+            ),
+            BlockRemoved(block_hashes=[step], medium="GPU", group_idx=0),
+        ],
+    )
+
+
+def wait_for_subscription(publisher: ZmqEventPublisher, sub: zmq.Socket[bytes]) -> int:
+    """Publish empty batches until one arrives (a PUB drops what precedes the subscription);
+    returns the seq of the first batch published after that."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        assert time.monotonic() < deadline, "the subscription never reached the publisher"
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        if sub.poll(20):
+            break
+    while sub.poll(100):  # drain the probes still in flight
+        sub.recv_multipart()
+    return publisher.stats().published
+
+
+@pytest.mark.usefixtures("opted_in")
+def test_vllm_batches_published_through_the_plugin_decode_to_the_same_events(
+    kv_events: types.ModuleType, sub_port: tuple[zmq.Socket[bytes], int]
+) -> None:
+    sub, port = sub_port
+    vllm_plugin.register()
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://127.0.0.1:{port}",
+        topic="kv-events",
+    )
+    publisher = kv_events.EventPublisherFactory.create(config, data_parallel_rank=0)
+    try:
+        first_seq = wait_for_subscription(publisher, sub)
+        sent = [vllm_step(step) for step in range(5)]
+        for batch in sent:
+            publisher.publish(batch)
+        frames = []
+        for _ in sent:
+            assert sub.poll(int(WAIT_S * 1000)), "a published batch did not arrive"
+            frames.append(sub.recv_multipart())
+    finally:
+        publisher.shutdown()
+
+    assert [topic for topic, _, _ in frames] == [b"kv-events"] * 5
+    assert [int.from_bytes(seq, "big") for _, seq, _ in frames] == list(
+        range(first_seq, first_seq + 5)
+    )
+    for (_, _, payload), batch in zip(frames, sent, strict=True):
+        decoded = hmakv_events.decode(payload)
+        assert decoded.unknown_event_types == []
+        assert decoded.batch.data_parallel_rank == 0  # stamped by the publisher, as vLLM's does
+        assert [msgspec.structs.asdict(e) for e in decoded.batch.events] == [
+            msgspec.structs.asdict(e) | {"locality": None} for e in batch.events
+        ]
+        assert msgspec.msgpack.decode(payload, type=KVEventBatch) == batch  # vLLM reads it back
+
+
+@pytest.mark.usefixtures("opted_in")
+def test_config_fields_from_a_newer_vllm_are_ignored_with_one_warning(
+    kv_events: types.ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    vllm_plugin.register()
+    config = NewerKVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://127.0.0.1:{free_port()}",
+        reconciliation_enabled=True,
+    )
+    with caplog.at_level(logging.WARNING, logger=vllm_plugin.__name__):
+        publishers = [
+            kv_events.EventPublisherFactory.create(config, data_parallel_rank=rank)
+            for rank in (0, 1)
+        ]
+    for publisher in publishers:
+        assert isinstance(publisher, ZmqEventPublisher)
+        publisher.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "reconciliation_digest_interval_s, reconciliation_enabled" in warnings[0]
