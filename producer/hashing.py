@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import cbor2
 import xxhash
@@ -21,6 +21,9 @@ import xxhash
 BlockExtraKeys = tuple[object, ...] | None
 
 EXTERNAL_HASH_BYTES = 8
+
+# A block hash in any form: digest bytes, external int, or a test's stand-in.
+H = TypeVar("H")
 
 
 def _sha256_digest(data: bytes) -> bytes:
@@ -123,13 +126,13 @@ class BlockHasher:
 
 
 def group_block_hashes(
-    hashes: Sequence[bytes], hash_block_size: int, group_block_size: int
-) -> list[bytes]:
+    hashes: Sequence[H], hash_block_size: int, group_block_size: int
+) -> Sequence[H]:
     """Hashes of a group whose blocks span several hash blocks, as vLLM derives them.
 
-    vLLM hashes at the finest block size and gives a larger block the concatenation of its
-    sub-blocks' digests, so its external int is the one of its last sub-block. Sub-blocks that do
-    not fill a group block are dropped.
+    vLLM hashes at the finest block size; hashes are chained, so the hash of a group block's last
+    sub-block identifies that block and its whole prefix, and vLLM (``BlockHashListWithBlockSize``)
+    uses it as the group block's hash. Sub-blocks that do not fill a group block are dropped.
     """
     if hash_block_size <= 0 or group_block_size % hash_block_size:
         raise ValueError(
@@ -137,12 +140,7 @@ def group_block_hashes(
             f"hash block size {hash_block_size}"
         )
     scale = group_block_size // hash_block_size
-    if scale == 1:
-        return list(hashes)
-    return [
-        b"".join(hashes[start : start + scale])
-        for start in range(0, len(hashes) - scale + 1, scale)
-    ]
+    return hashes if scale == 1 else hashes[scale - 1 :: scale]
 
 
 class MultiModalSpan(NamedTuple):

@@ -98,7 +98,7 @@ def _hashes(hasher: BlockHasher, token_ids: list[int], args: argparse.Namespace)
     hashes = hasher.block_hashes(token_ids, block_size, extra_keys=extra_keys)
     if args.group_block_size is None:
         return hashes
-    return group_block_hashes(hashes, block_size, args.group_block_size)
+    return list(group_block_hashes(hashes, block_size, args.group_block_size))
 
 
 def _parse_token_ids(text: str) -> list[int]:

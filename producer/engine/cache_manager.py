@@ -19,14 +19,13 @@ from producer.engine.hit_rule import (
     MAMBA_KIND,
     alignment_tokens,
     find_longest_cache_hit,
-    group_block_hashes,
     hash_block_size,
     required_blocks,
 )
 from producer.engine.profiles import ModelProfile
 from producer.engine.request import EngineRequest
 from producer.events import MEDIUM_GPU, BlockStored, KVEventBatch
-from producer.hashing import BlockHasher, external
+from producer.hashing import BlockHasher, external, group_block_hashes
 from producer.recorder import EventRecorder
 
 

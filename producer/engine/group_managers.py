@@ -15,11 +15,11 @@ from producer.engine.hit_rule import (
     CHUNKED_LOCAL_KIND,
     MAMBA_KIND,
     SLIDING_WINDOW_KINDS,
-    group_block_hashes,
     is_reachable_block,
 )
 from producer.engine.request import EngineRequest
 from producer.events import GroupSpec
+from producer.hashing import group_block_hashes
 
 
 def _ceil_div(a: int, b: int) -> int:

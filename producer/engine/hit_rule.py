@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from producer.events import GroupSpec
+from producer.hashing import group_block_hashes
 
 H = TypeVar("H", bound=Hashable)
 
@@ -67,18 +68,6 @@ def hash_block_size(groups: Sequence[GroupSpec]) -> int:
 def alignment_tokens(groups: Sequence[GroupSpec]) -> int:
     """Every hit is a multiple of this: a hit must end on a block boundary in every group."""
     return math.lcm(*(spec.block_size for spec in groups))
-
-
-def group_block_hashes(
-    block_hashes: Sequence[H], hash_block_size: int, group_block_size: int
-) -> Sequence[H]:
-    """A group's block hashes from the hash-granularity ones.
-
-    Hashes are chained, so the hash of a group block's last sub-block identifies the block and
-    its whole prefix; vLLM (``BlockHashListWithBlockSize``) uses exactly that hash.
-    """
-    scale = group_block_size // hash_block_size
-    return block_hashes if scale == 1 else block_hashes[scale - 1 :: scale]
 
 
 def sliding_window_blocks(spec: GroupSpec) -> int:

@@ -18,11 +18,11 @@ from producer.engine import find_longest_cache_hit, get_profile
 from producer.engine.hit_rule import (
     UnsupportedGroup,
     alignment_tokens,
-    group_block_hashes,
     is_reachable_block,
     required_blocks,
 )
 from producer.events import GroupSpec, KVEventBatch
+from producer.hashing import group_block_hashes
 
 TRACE = Path(__file__).parent.parent / "data" / "vllm-trace-swa-small-seed1.jsonl.gz"
 
