@@ -50,7 +50,6 @@ PACKAGES = ("producer", "bridge", "consumers", "hmakv")
 # checked instead and its entry here no longer matters (delete it then).
 EXPECTED_SUBCOMMANDS: dict[str, frozenset[str]] = {
     "bridge": frozenset({"HMAKV_KAFKA_BOOTSTRAP", "HMAKV_BRIDGE_ENGINES", "HMAKV_BRIDGE_LISTEN"}),
-    "index": frozenset({"HMAKV_KAFKA_BOOTSTRAP", "HMAKV_INDEX_LISTEN"}),
 }
 # Subcommands that serve Prometheus /metrics, scraped as job "hmakv-<subcommand>".
 METRICS_SUBCOMMANDS = ("bridge", "index")

@@ -1,0 +1,586 @@
+"""The score API and the exporter's endpoint: aiohttp, JSON in and out through msgspec structs.
+
+One route table (``ROUTES`` built by ``routes``) both registers the handlers and generates the
+OpenAPI 3.1 document at ``/openapi.json`` from the same msgspec structs that validate requests
+and encode responses, so the document cannot drift from what the server does.
+
+Every error, aiohttp's own (404, 405, 413) included, is a JSON body ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from bridge.records import Health
+from consumers.follower import Follower
+from consumers.index import WorkerInfo, WorkerScore
+from consumers.metrics import SCORE_DURATION_BUCKETS, Buckets
+from producer.events import ExternalBlockHash, GroupSpec
+from producer.hashing import BlockHasher, UnsupportedHashFunction, block_extra_keys, external
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_MAX_EXTERNAL_HASH = 2**64 - 1
+_HASHER_CACHE_SIZE = 16
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class HashingDefaults:
+    """How prompts are hashed when a request does not say: must match the engines' settings."""
+
+    hash_fn: str = "sha256_cbor"
+    seed: str = "0"
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """Bounds on one request, so that one caller cannot stall the follower's event loop."""
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_tokens: int = 262_144
+    max_prompt_blocks: int = 16_384
+    max_worker_filter: int = 4096
+
+
+@dataclass
+class ScoreStats:
+    """Score requests by outcome and their durations, for the exporter."""
+
+    requests: dict[str, int] = field(default_factory=lambda: {"ok": 0, "rejected": 0})
+    duration: Buckets = field(default_factory=lambda: Buckets(SCORE_DURATION_BUCKETS))
+
+    def record(self, outcome: str, seconds: float) -> None:
+        self.requests[outcome] = self.requests.get(outcome, 0) + 1
+        self.duration.observe(seconds)
+
+
+# ----------------------------------------------------------------------------- wire structs
+
+Doc = msgspec.Meta
+TokenId = Annotated[int, Doc(ge=0)]
+BlockHashIn = Annotated[
+    int | str,
+    Doc(description="vLLM's external hash: an unsigned 64-bit int, or the raw digest in hex"),
+]
+ExtraKey = str | int | list[str | int]
+
+
+class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A prompt to score: its token ids (hashed here as vLLM hashes them) or its block hashes."""
+
+    token_ids: list[TokenId] | None = None
+    block_hashes: list[BlockHashIn] | None = None
+    num_tokens: Annotated[
+        Annotated[int, Doc(ge=1)] | None,
+        Doc(description="prompt length with block_hashes (default: one token past them)"),
+    ] = None
+    hash_fn: Annotated[str | None, Doc(description="sha256_cbor or xxhash_cbor")] = None
+    seed: Annotated[str | None, Doc(description="the engines' PYTHONHASHSEED")] = None
+    block_size: Annotated[
+        Annotated[int, Doc(ge=1)] | None, Doc(description="must equal the server's hash block size")
+    ] = None
+    lora_name: Annotated[str | None, Doc(description="LoRA adapter, in every block's keys")] = None
+    cache_salt: Annotated[str | None, Doc(description="vLLM's cache_salt, in block 0's keys")] = (
+        None
+    )
+    extra_keys: Annotated[
+        list[list[ExtraKey] | None] | None,
+        Doc(description="each full block's extra keys as vLLM builds them (or lora_name/salt)"),
+    ] = None
+    workers: Annotated[
+        list[str] | None, Doc(description="score only these (unknown: left out)")
+    ] = None
+
+
+class WorkerHit(msgspec.Struct, kw_only=True):
+    """One worker's prefix hit for the prompt, as vLLM's hybrid lookup would find it."""
+
+    worker: str
+    hit_tokens: Annotated[int, Doc(description="the hit vLLM's lookup finds on the worker's GPU")]
+    hit_blocks: int
+    groups: Annotated[dict[int, int], Doc(description="per group: the hit it alone accepts")]
+    tiers: Annotated[dict[str, int], Doc(description="per medium: the hit with it and faster")]
+    score: Annotated[float, Doc(description="tokens weighted by the slowest tier each needs")]
+    health: Health
+    degraded: Annotated[bool, Doc(description="not live: its cache may differ from the index")]
+    catalog_ok: Annotated[
+        bool, Doc(description="false when its groups are unknown: 0 means no answer")
+    ]
+    group_blind_hit_tokens: Annotated[int, Doc(description="an index ignoring groups would say")]
+
+
+class GroupBlindAnswer(msgspec.Struct, kw_only=True):
+    """What an index ignoring cache groups would answer (the usual peer design), for comparison."""
+
+    best: str | None
+    hit_tokens: int
+
+
+class ScoreResponse(msgspec.Struct, kw_only=True):
+    """Workers best first; ``best`` is the first live one with a usable catalog and a hit."""
+
+    best: str | None
+    hash_block_size: int
+    num_tokens: int
+    prompt_blocks: int
+    workers: list[WorkerHit]
+    group_blind: GroupBlindAnswer
+
+
+class WorkerView(msgspec.Struct, kw_only=True):
+    """One worker as the index sees it, beside the bridge's latest state for it."""
+
+    worker: str
+    epoch: int
+    health: Health
+    groups: dict[int, GroupSpec]
+    last_seq: dict[int, int]
+    resident_blocks: dict[int, dict[str, int]]
+    bridge_epoch: int | None
+    bridge_last_seq: int | None
+    lag_seqs: Annotated[int | None, Doc(description="seqs forwarded by the bridge, not applied")]
+    stale_groups: Annotated[list[int], Doc(description="group mode: partition no longer read")]
+
+
+class WorkersResponse(msgspec.Struct, kw_only=True):
+    mode: str
+    lag_records: int
+    workers: list[WorkerView]
+
+
+class Liveness(msgspec.Struct, kw_only=True):
+    status: Literal["ok"]
+
+
+class Readiness(msgspec.Struct, kw_only=True):
+    ready: bool
+    lag_records: int
+
+
+class ErrorBody(msgspec.Struct):
+    error: str
+
+
+# ----------------------------------------------------------------------------- route table
+
+
+@dataclass(frozen=True)
+class Route:
+    """One endpoint: how it is served and how the OpenAPI document describes it."""
+
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    response: Any
+    request: Any = None
+    errors: tuple[int, ...] = ()
+    extra_statuses: tuple[tuple[int, str], ...] = ()
+    content_type: str = "application/json"
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def _json(body: msgspec.Struct | dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _json(ErrorBody(message), status)
+
+
+@functools.lru_cache(maxsize=_HASHER_CACHE_SIZE)
+def _hasher(hash_fn: str, seed: str) -> BlockHasher:
+    return BlockHasher(hash_fn, seed)
+
+
+class ScoreApi:
+    """The handlers; they read the follower's index at request time (it is replaced on restore)."""
+
+    def __init__(
+        self,
+        follower: Follower,
+        registry: CollectorRegistry,
+        stats: ScoreStats,
+        *,
+        hashing: HashingDefaults = HashingDefaults(),
+        limits: ApiLimits = ApiLimits(),
+    ) -> None:
+        self.follower = follower
+        self.registry = registry
+        self.stats = stats
+        self.hashing = hashing
+        self.limits = limits
+        self._decoder = msgspec.json.Decoder(ScoreRequest)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route(
+                "POST",
+                "/v1/score",
+                self.score,
+                "Score a prompt's prefix hit on every worker",
+                ScoreResponse,
+                request=ScoreRequest,
+                errors=(400, 413),
+            ),
+            Route(
+                "GET",
+                "/v1/workers",
+                self.workers,
+                "Every worker: catalog, epoch, health, applied seqs, resident blocks, lag",
+                WorkersResponse,
+            ),
+            Route("GET", "/healthz", self.healthz, "The process answers", Liveness),
+            Route(
+                "GET",
+                "/readyz",
+                self.readyz,
+                "Caught up with the log (503 until then)",
+                Readiness,
+                extra_statuses=((503, "Not caught up yet"),),
+            ),
+            Route(
+                "GET",
+                "/metrics",
+                self.metrics,
+                "Prometheus metrics (text format)",
+                str,
+                content_type=CONTENT_TYPE_LATEST,
+            ),
+            Route("GET", "/openapi.json", self.openapi, "This document", dict[str, Any]),
+        ]
+
+    # ------------------------------------------------------------------------- handlers
+
+    async def score(self, request: web.Request) -> web.Response:
+        started = time.perf_counter()
+        try:
+            response = self._score(await self._body(request))
+        except _BadRequest as bad:
+            self.stats.record("rejected", time.perf_counter() - started)
+            return _error(bad.status, str(bad))
+        self.stats.record("ok", time.perf_counter() - started)
+        return _json(response)
+
+    async def _body(self, request: web.Request) -> ScoreRequest:
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise _BadRequest(413, f"body larger than {self.limits.max_body_bytes} bytes") from exc
+        if not body:
+            raise _BadRequest(400, "empty body: expected a JSON object")
+        try:
+            return self._decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            raise _BadRequest(400, f"invalid request: {exc}") from exc
+        except msgspec.DecodeError as exc:
+            raise _BadRequest(400, f"invalid JSON: {exc}") from exc
+
+    def _score(self, request: ScoreRequest) -> ScoreResponse:
+        index = self.follower.index
+        hashes, num_tokens = self._prompt(request, index.hash_block_size)
+        wanted = self._worker_filter(request.workers)
+        scores = [
+            s for s in index.score(hashes, num_tokens) if wanted is None or s.worker in wanted
+        ]
+        hits = [_hit(score) for score in scores]
+        return ScoreResponse(
+            best=next((hit.worker for hit in hits if _eligible(hit) and hit.score > 0), None),
+            hash_block_size=index.hash_block_size,
+            num_tokens=num_tokens,
+            prompt_blocks=len(hashes),
+            workers=hits,
+            group_blind=_group_blind(hits),
+        )
+
+    def _worker_filter(self, workers: list[str] | None) -> set[str] | None:
+        if workers is None:
+            return None
+        if len(workers) > self.limits.max_worker_filter:
+            raise _BadRequest(413, f"more than {self.limits.max_worker_filter} workers to filter")
+        return set(workers)
+
+    def _prompt(
+        self, request: ScoreRequest, hash_block_size: int
+    ) -> tuple[list[ExternalBlockHash], int]:
+        """The prompt's block hashes at the index's block size, and its length in tokens."""
+        if (request.token_ids is None) == (request.block_hashes is None):
+            raise _BadRequest(400, "give exactly one of token_ids and block_hashes")
+        block_size = request.block_size or hash_block_size
+        if block_size != hash_block_size:
+            raise _BadRequest(
+                400,
+                f"block_size {block_size}: this index hashes prompts in blocks of "
+                f"{hash_block_size} tokens",
+            )
+        if request.token_ids is not None:
+            return self._hash_tokens(request, request.token_ids, block_size)
+        return self._given_hashes(request, request.block_hashes or [], block_size)
+
+    def _hash_tokens(
+        self, request: ScoreRequest, token_ids: list[int], block_size: int
+    ) -> tuple[list[ExternalBlockHash], int]:
+        if not token_ids:
+            raise _BadRequest(400, "token_ids is empty")
+        if len(token_ids) > self.limits.max_prompt_tokens:
+            raise _BadRequest(
+                413, f"{len(token_ids)} tokens: at most {self.limits.max_prompt_tokens}"
+            )
+        if request.num_tokens is not None:
+            raise _BadRequest(
+                400, "num_tokens goes with block_hashes; with token_ids it is their count"
+            )
+        try:
+            hasher = _hasher(
+                request.hash_fn or self.hashing.hash_fn,
+                request.seed if request.seed is not None else self.hashing.seed,
+            )
+            digests = hasher.block_hashes(
+                token_ids,
+                block_size,
+                extra_keys=self._extra_keys(request, len(token_ids), block_size),
+            )
+        except (UnsupportedHashFunction, ValueError) as exc:
+            raise _BadRequest(400, str(exc)) from exc
+        return [external(digest) for digest in digests], len(token_ids)
+
+    @staticmethod
+    def _extra_keys(
+        request: ScoreRequest, num_tokens: int, block_size: int
+    ) -> list[tuple[object, ...] | None] | None:
+        if request.extra_keys is not None:
+            if request.lora_name is not None or request.cache_salt is not None:
+                raise _BadRequest(
+                    400,
+                    "extra_keys already holds every block's keys: do not "
+                    "also give lora_name or cache_salt",
+                )
+            return [tuple(keys) if keys is not None else None for keys in request.extra_keys]
+        if request.lora_name is None and request.cache_salt is None:
+            return None
+        return block_extra_keys(
+            num_tokens // block_size,
+            block_size,
+            lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
+        )
+
+    def _given_hashes(
+        self, request: ScoreRequest, given: list[int | str], block_size: int
+    ) -> tuple[list[ExternalBlockHash], int]:
+        if not given:
+            raise _BadRequest(400, "block_hashes is empty")
+        if len(given) > self.limits.max_prompt_blocks:
+            raise _BadRequest(413, f"{len(given)} blocks: at most {self.limits.max_prompt_blocks}")
+        if any(
+            field is not None
+            for field in (
+                request.hash_fn,
+                request.seed,
+                request.lora_name,
+                request.cache_salt,
+                request.extra_keys,
+            )
+        ):
+            raise _BadRequest(400, "hashing parameters go with token_ids, not block_hashes")
+        hashes = [_external_hash(value) for value in given]
+        # Without a length the hashes are taken to cover the prompt's full blocks, and at least
+        # one more token follows (vLLM always computes the last token itself).
+        num_tokens = request.num_tokens or len(hashes) * block_size + 1
+        if num_tokens < len(hashes) * block_size:
+            raise _BadRequest(
+                400, f"num_tokens {num_tokens} is shorter than the {len(hashes)} full blocks given"
+            )
+        return hashes, num_tokens
+
+    async def workers(self, request: web.Request) -> web.Response:
+        follower = self.follower
+        views = [_worker_view(info, follower) for info in follower.index.workers()]
+        return _json(
+            WorkersResponse(mode=follower.config.mode, lag_records=follower.lag(), workers=views)
+        )
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return _json(Liveness(status="ok"))
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        ready = self.follower.ready
+        return _json(Readiness(ready=ready, lag_records=self.follower.lag()), 200 if ready else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.registry))
+        response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        response.charset = "utf-8"
+        return response
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return _json(openapi_document(self.routes(), self.limits))
+
+
+def _hit(score: WorkerScore) -> WorkerHit:
+    return WorkerHit(
+        worker=score.worker,
+        hit_tokens=score.hit_tokens,
+        hit_blocks=score.hit_blocks,
+        groups=score.group_hit_tokens,
+        tiers=score.tier_hit_tokens,
+        score=score.weighted_tokens,
+        health=score.health,
+        degraded=score.health != "live",
+        catalog_ok=score.catalog_ok,
+        group_blind_hit_tokens=score.group_blind_hit_tokens,
+    )
+
+
+def _eligible(hit: WorkerHit) -> bool:
+    """A worker a router may be sent to on the strength of this answer."""
+    return not hit.degraded and hit.catalog_ok
+
+
+def _group_blind(hits: Sequence[WorkerHit]) -> GroupBlindAnswer:
+    candidates = [hit for hit in hits if not hit.degraded and hit.group_blind_hit_tokens > 0]
+    best = min(candidates, key=lambda hit: (-hit.group_blind_hit_tokens, hit.worker), default=None)
+    if best is None:
+        return GroupBlindAnswer(best=None, hit_tokens=0)
+    return GroupBlindAnswer(best=best.worker, hit_tokens=best.group_blind_hit_tokens)
+
+
+def _external_hash(value: int | str) -> ExternalBlockHash:
+    if isinstance(value, int):
+        if not 0 <= value <= _MAX_EXTERNAL_HASH:
+            raise _BadRequest(400, f"block hash {value} is not an unsigned 64-bit int")
+        return value
+    try:
+        return bytes.fromhex(value)
+    except ValueError as exc:
+        raise _BadRequest(400, f"block hash {value!r} is neither an int nor hex") from exc
+
+
+def _worker_view(info: WorkerInfo, follower: Follower) -> WorkerView:
+    state = follower.worker_state(info.name)
+    same_life = state is not None and state.epoch == info.epoch
+    applied = max(info.last_seq.values(), default=-1)
+    return WorkerView(
+        worker=info.name,
+        epoch=info.epoch,
+        health=info.health,
+        groups=info.groups,
+        last_seq=info.last_seq,
+        resident_blocks=info.resident,
+        bridge_epoch=state.epoch if state is not None else None,
+        bridge_last_seq=state.last_seq if state is not None else None,
+        lag_seqs=max(0, state.last_seq - applied) if state is not None and same_life else None,
+        stale_groups=sorted(follower.stale_groups(info.name)),
+    )
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own errors (unknown path, wrong method, body too large) as JSON too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+
+
+def build_app(api: ScoreApi) -> web.Application:
+    app = web.Application(middlewares=[_json_errors], client_max_size=api.limits.max_body_bytes)
+    for route in api.routes():
+        app.router.add_route(route.method, route.path, route.handler)
+    return app
+
+
+# ----------------------------------------------------------------------------- OpenAPI
+
+_STATUS_TEXT = {400: "Invalid request", 413: "Request or prompt too large"}
+
+
+def openapi_document(routes: Iterable[Route], limits: ApiLimits) -> dict[str, Any]:
+    """OpenAPI 3.1 for the routes, schemas generated from their msgspec types."""
+    routes = list(routes)
+    json_types = [
+        t
+        for route in routes
+        for t in (route.request, route.response)
+        if t is not None and t is not str
+    ]
+    schemas, components = msgspec.json.schema_components(
+        [*json_types, ErrorBody], ref_template="#/components/schemas/{name}"
+    )
+    schema_of = dict(zip([*json_types, ErrorBody], schemas, strict=True))
+    _document_limits(components, limits)
+    paths: dict[str, dict[str, Any]] = {}
+    for route in routes:
+        paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, schema_of)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "hmakv index",
+            "version": "1",
+            "description": "Which worker already holds a prompt's prefix, per vLLM's hybrid "
+            "(HMA) prefix-cache rule, from the KV-cache events in Kafka.",
+        },
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+
+
+def _operation(route: Route, schema_of: dict[Any, Any]) -> dict[str, Any]:
+    if route.response is str:
+        content = {route.content_type.split(";")[0]: {"schema": {"type": "string"}}}
+    else:
+        content = {"application/json": {"schema": schema_of[route.response]}}
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
+    for status, description in route.extra_statuses:
+        responses[str(status)] = {"description": description, "content": content}
+    error = {"application/json": {"schema": schema_of[ErrorBody]}}
+    for status in route.errors:
+        responses[str(status)] = {"description": _STATUS_TEXT[status], "content": error}
+    operation: dict[str, Any] = {
+        "operationId": route.handler.__name__,
+        "summary": route.summary,
+        "responses": responses,
+    }
+    if route.request is not None:
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": schema_of[route.request]}},
+        }
+    return operation
+
+
+def _document_limits(components: dict[str, Any], limits: ApiLimits) -> None:
+    """The configured limits as maxItems, so the document states what the server enforces."""
+    properties = components["ScoreRequest"]["properties"]
+    for name, most in (
+        ("token_ids", limits.max_prompt_tokens),
+        ("block_hashes", limits.max_prompt_blocks),
+        ("workers", limits.max_worker_filter),
+    ):
+        for option in properties[name]["anyOf"]:
+            if option.get("type") == "array":
+                option["maxItems"] = most

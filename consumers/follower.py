@@ -1,0 +1,601 @@
+"""The index follower: Kafka records in, the pure ``KVIndex`` kept up to date, snapshots out.
+
+Two consumers feed one index on one event loop, so applying, scoring, scraping and snapshotting
+never run at the same time and need no lock:
+
+- ``<prefix>.events``: in ``replica`` mode every follower reads every partition (manual
+  assignment, no group): each one can answer score queries alone, so there is no single point of
+  failure. In ``group`` mode a consumer group splits the partitions, to scale metrics and
+  analytics; a member then knows only some groups of some workers, and its score answers are
+  partial.
+- ``<prefix>.workers`` (compacted, small): always every partition, so every follower knows every
+  worker's catalog and health whichever event partitions it holds.
+
+Positions are the follower's own: the next offset of each partition whose records the index
+contains. They are saved with each snapshot and are where a restart resumes (the group's
+committed offsets only report progress to the group's tools: state lives in this process, so a
+position is worth nothing without the snapshot that holds it). In group mode they are committed
+after the records are applied, and on revocation; a revoked partition's state is kept, marked
+stale (``stale_groups``; the exporter leaves it out) and resumed from its position if it comes
+back, since forgetting it would make a later re-read of the same seqs look like replays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiokafka import ConsumerRebalanceListener
+from aiokafka.structs import TopicPartition
+
+from bridge.kafka_client import KafkaSecurity, create_consumer
+from bridge.records import (
+    EventRecord,
+    RecordDecodeError,
+    Topics,
+    WorkerState,
+    decode_event_record,
+    decode_worker_state,
+    parse_event_key,
+)
+from consumers.index import DEFAULT_HASH_BLOCK_SIZE, ApplyOutcome, KVIndex
+from consumers.metrics import EVENT_AGE_BUCKETS, Buckets
+from consumers.snapshots import (
+    SNAPSHOT_FORMAT,
+    PartitionOffset,
+    Snapshot,
+    SnapshotError,
+    SnapshotStore,
+    pack,
+    topic_partitions,
+    unpack,
+)
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["replica", "group"]
+MODES: tuple[Mode, ...] = ("replica", "group")
+
+_FETCH_TIMEOUT_MS = 500
+_TOPIC_WAIT_S = 2.0
+_BAD_RECORD_LOG_INTERVAL_S = 60.0
+
+
+@dataclass(frozen=True)
+class FollowerConfig:
+    """How one follower reads the log and keeps its snapshots.
+
+    ``ready_max_lag``: ready once the positions reached the log ends seen at assignment, or as
+    soon as the records left over all assigned partitions are at most this many.
+    """
+
+    bootstrap: str
+    topics: Topics = field(default_factory=Topics)
+    mode: Mode = "replica"
+    group_id: str = "hmakv-index"
+    follower_id: str = field(default_factory=socket.gethostname)
+    security: KafkaSecurity | None = None
+    hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE
+    tier_weights: Mapping[str, float] | None = None
+    snapshot_interval_s: float = 60.0
+    commit_interval_s: float = 1.0
+    ready_max_lag: int = 1000
+    max_records_per_fetch: int = 5000
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+    def new_index(self) -> KVIndex:
+        return KVIndex(hash_block_size=self.hash_block_size, tier_weights=self.tier_weights)
+
+
+@dataclass
+class FollowerStats:
+    """Counts since this process started, read by the exporter and the tests."""
+
+    consumed: dict[str, int] = field(default_factory=dict)
+    events_applied: int = 0
+    worker_states_applied: int = 0
+    bad_records: dict[tuple[str, str], int] = field(default_factory=dict)  # (topic, reason)
+    records_lost: int = 0
+    event_age: Buckets = field(default_factory=lambda: Buckets(EVENT_AGE_BUCKETS))
+    start_offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    restored_offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    snapshots_written: int = 0
+    snapshots_failed: int = 0
+    last_snapshot_at: float | None = None
+    last_snapshot_duration_s: float = 0.0
+    last_snapshot_bytes: int = 0
+
+
+class _RateLimitedLog:
+    """Per kind of trouble: the first one logged at once, then at most one line per interval.
+
+    A line after a quiet spell says how many went unlogged; the metrics count every one.
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._next_at: dict[tuple[str, str], float] = {}
+        self._suppressed: dict[tuple[str, str], int] = {}
+
+    def warn(self, kind: tuple[str, str], message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next_at.get(kind, 0.0):
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._next_at[kind] = now + self._interval_s
+        suppressed = self._suppressed.pop(kind, 0)
+        if suppressed:
+            message += f" ({suppressed} more like it since the last report)"
+        log.warning(message, *args)
+
+
+class Follower:
+    """Applies ``hmakv.events`` and ``hmakv.workers`` to an index; see the module docstring."""
+
+    def __init__(self, config: FollowerConfig, store: SnapshotStore | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.index = config.new_index()
+        self.stats = FollowerStats()
+        self._positions: dict[TopicPartition, int] = {}
+        self._ready_targets: dict[TopicPartition, int] = {}
+        self._worker_states: dict[str, WorkerState] = {}
+        self._key_partitions: dict[tuple[str, int], TopicPartition] = {}
+        self._events: Any = None
+        self._workers: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
+        # Group mode: a member has an assignment (maybe an empty one) once the group balanced and
+        # it positioned every partition it got.
+        self._joined = config.mode == "replica"
+        # Until the snapshot is restored the index is empty: saving it would destroy the snapshot.
+        self._restored = False
+        self._last_commit = 0.0
+        self._snapshot_lock = asyncio.Lock()
+        self._bad_log = _RateLimitedLog(_BAD_RECORD_LOG_INTERVAL_S)
+
+    # ------------------------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        """Restore the newest snapshot, then start consuming from its offsets."""
+        await self._restore()
+        self._restored = True
+        topics = self.config.topics
+        self._workers = self._consumer(group_id=None)
+        await self._workers.start()
+        await self._assign_all(self._workers, topics.workers)
+        if self.config.mode == "group":
+            self._events = self._consumer(group_id=self.config.group_id)
+            await self._events.start()
+            self._events.subscribe([topics.events], listener=_Rebalance(self))
+        else:
+            self._events = self._consumer(group_id=None)
+            await self._events.start()
+            await self._assign_all(self._events, topics.events)
+        self._tasks = [
+            asyncio.create_task(self._consume(self._workers, self._apply_worker_state)),
+            asyncio.create_task(self._consume(self._events, self._apply_event)),
+        ]
+        if self.store is not None and self.config.snapshot_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._snapshot_periodically()))
+        self._started = True
+
+    async def run(self) -> None:
+        """Wait until a consumer loop fails (its error propagates) or the follower is stopped."""
+        await asyncio.gather(*self._tasks)
+
+    async def stop(self, *, final_snapshot: bool = True) -> None:
+        """Stop consuming; commit what was applied (group mode), snapshot, close the clients.
+
+        ``final_snapshot=False`` is what a crash leaves behind, for tests of restarting.
+        """
+        self._started = False
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        try:
+            if self.config.mode == "group" and self._events is not None:
+                await self._commit(self._events.assignment())
+            if final_snapshot and self.store is not None:
+                await self.snapshot_now()
+        finally:
+            for consumer in (self._events, self._workers):
+                if consumer is not None:
+                    await consumer.stop()
+            self._events = self._workers = None
+            if self.store is not None:
+                await self.store.close()
+
+    def _consumer(self, group_id: str | None) -> Any:
+        name = f"hmakv-index-{self.config.follower_id}"
+        return create_consumer(
+            self.config.bootstrap,
+            client_id=name,
+            group_id=group_id,
+            security=self.config.security,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+        )
+
+    async def _assign_all(self, consumer: Any, topic: str) -> None:
+        """Every partition of the topic, each at its saved position or at the beginning."""
+        partitions = await _wait_for_partitions(self.config, topic)
+        tps = [TopicPartition(topic, partition) for partition in sorted(partitions)]
+        consumer.assign(tps)
+        await self._position_assigned(consumer, tps)
+
+    async def _position_assigned(self, consumer: Any, tps: list[TopicPartition]) -> None:
+        """Seek newly assigned partitions and note the log ends that readiness waits for."""
+        beginnings = await consumer.beginning_offsets(tps)
+        for tp in tps:
+            saved = self._positions.get(tp, 0)
+            if saved < beginnings[tp] and tp in self._positions:
+                log.error(
+                    "%s[%d]: records %d..%d were deleted by retention before this follower "
+                    "applied them; the index misses them until the workers' next clear or epoch",
+                    tp.topic,
+                    tp.partition,
+                    saved,
+                    beginnings[tp] - 1,
+                )
+                self.stats.records_lost += beginnings[tp] - saved
+            position = max(saved, beginnings[tp])
+            consumer.seek(tp, position)
+            self._positions[tp] = position
+            self.stats.start_offsets[tp] = position
+        ends = await consumer.end_offsets(tps)
+        for tp in tps:
+            if ends[tp] > self._positions[tp]:
+                self._ready_targets[tp] = ends[tp]
+
+    # ------------------------------------------------------------------------------ applying
+
+    async def _consume(self, consumer: Any, apply: Callable[[TopicPartition, Any], None]) -> None:
+        while True:
+            batches = await consumer.getmany(
+                timeout_ms=_FETCH_TIMEOUT_MS, max_records=self.config.max_records_per_fetch
+            )
+            for tp, records in batches.items():
+                for record in records:
+                    apply(tp, record)
+                self._positions[tp] = records[-1].offset + 1
+                consumed = self.stats.consumed
+                consumed[tp.topic] = consumed.get(tp.topic, 0) + len(records)
+            self._note_progress(batches)
+            if consumer is self._events and self.config.mode == "group":
+                await self._commit_periodically()
+
+    def _apply_event(self, tp: TopicPartition, message: Any) -> None:
+        try:
+            record = _decode_event(message)
+        except _BadRecord as bad:
+            self._count_bad(bad.reason, str(bad), tp, message)
+            return
+        outcome = self.index.apply(record)
+        if outcome is ApplyOutcome.APPLIED:
+            self.stats.events_applied += 1
+            self.stats.event_age.observe(max(0.0, time.time() - record.ts))
+            self._key_partitions[(record.worker, record.group_idx)] = tp
+
+    def _apply_worker_state(self, tp: TopicPartition, message: Any) -> None:
+        if message.value is None:
+            self._forget(message.key.decode("utf-8", "replace") if message.key else "")
+            return
+        try:
+            state = _decode_worker_state(message)
+        except _BadRecord as bad:
+            self._count_bad(bad.reason, str(bad), tp, message)
+            return
+        self._take_worker_state(state)
+        self.stats.worker_states_applied += 1
+
+    def _take_worker_state(self, state: WorkerState) -> None:
+        """Catalog and health take effect at once; a health change is logged with its cause."""
+        previous = self._worker_states.get(state.worker)
+        self._worker_states[state.worker] = state
+        if state.groups:
+            self.index.set_catalog(state.worker, state.groups)
+        self.index.set_health(state.worker, state.health)
+        if previous is None or previous.health != state.health:
+            level = logging.WARNING if state.health == "degraded" else logging.INFO
+            log.log(
+                level,
+                "worker %s is %s (epoch %d, bridge's last seq %d)",
+                state.worker,
+                state.health,
+                state.epoch,
+                state.last_seq,
+            )
+
+    def _forget(self, worker: str) -> None:
+        """A tombstone on the workers topic: the worker left the fleet."""
+        if not worker:
+            return
+        log.info("worker %s left the fleet (tombstone on %s)", worker, self.config.topics.workers)
+        self._worker_states.pop(worker, None)
+        self.index.forget_worker(worker)
+        for key in [key for key in self._key_partitions if key[0] == worker]:
+            del self._key_partitions[key]
+
+    def _count_bad(self, reason: str, detail: str, tp: TopicPartition, message: Any) -> None:
+        bad = self.stats.bad_records
+        kind = (tp.topic, reason)
+        bad[kind] = bad.get(kind, 0) + 1
+        self._bad_log.warn(
+            kind,
+            "skipped a %s record at %s[%d]@%d: %s",
+            reason,
+            tp.topic,
+            tp.partition,
+            message.offset,
+            detail,
+        )
+
+    # ------------------------------------------------------------------------------ progress
+
+    def _note_progress(self, batches: Mapping[TopicPartition, object]) -> None:
+        for tp in batches:
+            target = self._ready_targets.get(tp)
+            if target is not None and self._positions[tp] >= target:
+                del self._ready_targets[tp]
+
+    @property
+    def ready(self) -> bool:
+        """Caught up: the log ends seen at assignment reached, or little left to read."""
+        if not (self._started and self._joined):
+            return False
+        return not self._ready_targets or self.lag() <= self.config.ready_max_lag
+
+    def _assigned_events(self) -> set[TopicPartition]:
+        return set(self._events.assignment()) if self._events is not None else set()
+
+    def assigned_partitions(self) -> set[TopicPartition]:
+        """The event partitions this follower reads now: all of them in replica mode."""
+        return self._assigned_events()
+
+    def lag_by_topic(self) -> dict[str, int]:
+        """Records between the applied positions and the newest known log ends."""
+        lag: dict[str, int] = {}
+        for consumer in (self._events, self._workers):
+            if consumer is None:
+                continue
+            for tp in consumer.assignment():
+                end = consumer.highwater(tp) or self._ready_targets.get(tp, 0)
+                behind = max(0, end - self._positions.get(tp, 0))
+                lag[tp.topic] = lag.get(tp.topic, 0) + behind
+        return lag
+
+    def lag(self) -> int:
+        return sum(self.lag_by_topic().values())
+
+    def positions(self) -> dict[TopicPartition, int]:
+        return dict(self._positions)
+
+    def worker_state(self, worker: str) -> WorkerState | None:
+        """The bridge's latest view of the worker, from the workers topic."""
+        return self._worker_states.get(worker)
+
+    def stale_groups(self, worker: str) -> set[int]:
+        """The worker's groups whose partition this follower no longer reads (group mode)."""
+        if self.config.mode != "group":
+            return set()
+        assigned = self._assigned_events()
+        return {
+            group
+            for (name, group), tp in self._key_partitions.items()
+            if name == worker and tp not in assigned
+        }
+
+    # ------------------------------------------------------------------------------ commits
+
+    async def _commit_periodically(self) -> None:
+        now = time.monotonic()
+        if now - self._last_commit >= self.config.commit_interval_s:
+            self._last_commit = now
+            await self._commit(self._events.assignment())
+
+    async def _commit(self, tps: Iterable[TopicPartition]) -> None:
+        """Commit the applied positions: every record before them is in the index."""
+        offsets = {tp: self._positions[tp] for tp in tps if tp in self._positions}
+        if offsets:
+            await self._events.commit(offsets)
+
+    async def _on_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        revoked = list(revoked)
+        self._joined = False  # not ready while the group rebalances
+        await self._commit(revoked)
+        for tp in revoked:
+            self._ready_targets.pop(tp, None)
+        if revoked:
+            log.info(
+                "partitions revoked: %s; their workers' groups are kept as stale state",
+                _names(revoked),
+            )
+
+    async def _on_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        assigned = list(assigned)
+        if assigned:
+            await self._position_assigned(self._events, assigned)
+            log.info("partitions assigned: %s", _names(assigned))
+        # Only now: readiness needs the log ends of what was assigned.
+        self._joined = True
+
+    # ------------------------------------------------------------------------------ snapshots
+
+    async def _restore(self) -> None:
+        """Restore the newest snapshot; an unusable one is logged and the log is read instead."""
+        if self.store is None:
+            return
+        started = time.monotonic()
+        try:
+            blob = await self.store.load()
+            if blob is None:
+                log.info("no snapshot in %s: reading the log from the start", self.store.describe())
+                return
+            snapshot, index = await asyncio.to_thread(self._unpack, blob)
+        except (SnapshotError, ValueError) as exc:
+            log.error(
+                "cannot restore from %s (%s): reading the log from the start",
+                self.store.describe(),
+                exc,
+            )
+            return
+        self.index = index
+        for saved in snapshot.offsets:
+            self._positions[TopicPartition(saved.topic, saved.partition)] = saved.offset
+        self.stats.restored_offsets = dict(self._positions)
+        for state in snapshot.worker_states:
+            self._worker_states[state.worker] = state
+        events = self.config.topics.events
+        for worker, group, partition in snapshot.key_partitions:
+            self._key_partitions[(worker, group)] = TopicPartition(events, partition)
+        self.stats.last_snapshot_at = snapshot.created
+        self.stats.last_snapshot_bytes = len(blob)
+        log.info(
+            "restored the snapshot of %s from %s in %.2f s: %d workers, offsets %s",
+            time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(snapshot.created)),
+            self.store.describe(),
+            time.monotonic() - started,
+            len(snapshot.worker_states),
+            _names(self._positions, self._positions),
+        )
+
+    def _unpack(self, blob: bytes) -> tuple[Snapshot, KVIndex]:
+        snapshot = unpack(blob)
+        index = KVIndex.restore(
+            snapshot.index,
+            hash_block_size=self.config.hash_block_size,
+            tier_weights=self.config.tier_weights,
+        )
+        return snapshot, index
+
+    def capture(self) -> Snapshot:
+        """Index and positions together: nothing is applied between the two reads."""
+        return Snapshot(
+            format=SNAPSHOT_FORMAT,
+            follower_id=self.config.follower_id,
+            created=time.time(),
+            offsets=[
+                PartitionOffset(tp.topic, tp.partition, offset)
+                for tp, offset in sorted(self._positions.items())
+            ],
+            worker_states=list(self._worker_states.values()),
+            index=self.index.snapshot(),
+            key_partitions=[
+                (worker, group, tp.partition)
+                for (worker, group), tp in self._key_partitions.items()
+            ],
+        )
+
+    async def snapshot_now(self) -> Snapshot | None:
+        """Write a snapshot now; failures are counted and logged, never raised."""
+        if self.store is None or not self._restored:
+            return None
+        async with self._snapshot_lock:
+            started = time.monotonic()
+            snapshot = self.capture()
+            try:
+                blob = await asyncio.to_thread(pack, snapshot)
+                await self.store.save(blob)
+            except Exception:
+                self.stats.snapshots_failed += 1
+                log.exception("snapshot to %s failed", self.store.describe())
+                return None
+            stats = self.stats
+            stats.snapshots_written += 1
+            stats.last_snapshot_at = snapshot.created
+            stats.last_snapshot_duration_s = time.monotonic() - started
+            stats.last_snapshot_bytes = len(blob)
+            log.info(
+                "snapshot to %s: %d bytes in %.2f s",
+                self.store.describe(),
+                len(blob),
+                stats.last_snapshot_duration_s,
+            )
+            return snapshot
+
+    async def _snapshot_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.snapshot_interval_s)
+            await self.snapshot_now()
+
+
+class _BadRecord(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def _decode_event(message: Any) -> EventRecord:
+    """The record, or ``_BadRecord`` with a reason from a fixed set (a metric label)."""
+    if message.value is None:
+        raise _BadRecord("empty", "no value (a tombstone on the events topic)")
+    try:
+        key = parse_event_key(message.key or b"")
+    except RecordDecodeError as exc:
+        raise _BadRecord("bad_key", str(exc)) from exc
+    try:
+        record = decode_event_record(message.value)
+    except RecordDecodeError as exc:
+        raise _BadRecord("undecodable", str(exc)) from exc
+    if key != (record.worker, record.group_idx):
+        raise _BadRecord(
+            "key_mismatch",
+            f"key {message.key!r} but the value is {record.worker}/{record.group_idx}",
+        )
+    return record
+
+
+def _decode_worker_state(message: Any) -> WorkerState:
+    try:
+        state = decode_worker_state(message.value)
+    except RecordDecodeError as exc:
+        raise _BadRecord("undecodable", str(exc)) from exc
+    if message.key != state.key():
+        raise _BadRecord("key_mismatch", f"key {message.key!r} but the value is {state.worker}")
+    return state
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Group mode: commit what was applied before giving partitions up; seek what comes in."""
+
+    def __init__(self, follower: Follower) -> None:
+        self._follower = follower
+
+    async def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        await self._follower._on_revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        await self._follower._on_assigned(assigned)
+
+
+async def _wait_for_partitions(config: FollowerConfig, topic: str) -> set[int]:
+    """The topic's partitions, waiting (and saying so once) while the topic does not exist."""
+    waited = False
+    while True:
+        partitions = await topic_partitions(config.bootstrap, topic, config.security)
+        if partitions:
+            return partitions
+        if not waited:
+            log.warning("topic %s does not exist yet; waiting for the bridge to create it", topic)
+            waited = True
+        await asyncio.sleep(_TOPIC_WAIT_S)
+
+
+def _names(
+    tps: Iterable[TopicPartition], offsets: Mapping[TopicPartition, int] | None = None
+) -> str:
+    parts = []
+    for tp in sorted(tps):
+        suffix = f"@{offsets[tp]}" if offsets is not None else ""
+        parts.append(f"{tp.topic}[{tp.partition}]{suffix}")
+    return ", ".join(parts) or "none"

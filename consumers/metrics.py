@@ -1,0 +1,243 @@
+"""The index's Prometheus exporter: one custom collector that reads everything at scrape time.
+
+The apply loop only bumps plain ints (the index's own counters, the follower's stats, a bucket
+array for the event age), and the collector turns them into metric families when Prometheus
+scrapes. Updating prometheus_client gauges per event would take a lock per record and make
+every worker/group/medium gauge a live object to keep in sync with the index.
+
+Labels are bounded by the fleet and its configuration: worker, group, kind, medium, health,
+topic, reason, outcome. Never a block hash or a request detail.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from bridge.records import HEALTH_STATES
+
+if TYPE_CHECKING:
+    from consumers.api import ScoreStats
+    from consumers.follower import Follower
+
+PREFIX = "hmakv_index"
+# Engine batch timestamp to applied: milliseconds when healthy, minutes when the bridge replays.
+EVENT_AGE_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
+SCORE_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class Buckets:
+    """A histogram as bare counts: observing is a bisect and two additions, no lock.
+
+    Safe because everything that observes and scrapes runs on the one event loop thread.
+    """
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        cumulative: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            cumulative.append((_le(bound), running))
+        return HistogramMetricFamily(name, documentation, buckets=cumulative, sum_value=self.total)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+class IndexCollector(Collector):
+    """Every ``hmakv_index_*`` metric, read from the follower, its index and the score API."""
+
+    def __init__(self, follower: Follower, score_stats: ScoreStats) -> None:
+        self._follower = follower
+        self._score_stats = score_stats
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._index_families()
+        yield from self._follower_families()
+        yield from self._snapshot_families()
+        yield from self._score_families()
+
+    def _index_families(self) -> Iterator[Metric]:
+        follower = self._follower
+        counters = follower.index.counters
+        resident = GaugeMetricFamily(
+            f"{PREFIX}_resident_blocks",
+            "Distinct block hashes a worker holds, per cache group and medium",
+            labels=["worker", "group", "kind", "medium"],
+        )
+        by_health = dict.fromkeys(HEALTH_STATES, 0)
+        for info in follower.index.workers():
+            by_health[info.health] += 1
+            stale = follower.stale_groups(info.name)
+            for group, media in info.resident.items():
+                if group in stale:
+                    continue  # another group member exports it; do not count it twice
+                spec = info.groups.get(group)
+                kind = spec.kind if spec is not None else "unknown"
+                for medium, blocks in media.items():
+                    resident.add_metric([info.name, str(group), kind, medium], blocks)
+        yield resident
+        workers = GaugeMetricFamily(
+            f"{PREFIX}_workers", "Workers the index knows, by health", labels=["health"]
+        )
+        for health, count in by_health.items():
+            workers.add_metric([health], count)
+        yield workers
+        for name, value, documentation in (
+            ("blocks_stored", counters.stored, "Block copies stored"),
+            ("blocks_removed", counters.removed, "Block copies removed"),
+            ("clears", counters.cleared, "AllBlocksCleared applied, per worker group"),
+            ("worker_restarts", counters.restarts, "New epochs seen: a worker's engine restarted"),
+            (
+                "partial_evictions",
+                counters.partial_evictions,
+                "Sliding-window blocks removed while the full-attention copy stays resident",
+            ),
+            (
+                "removal_anomalies",
+                counters.anomalies,
+                "Removals of a block the worker did not hold",
+            ),
+            ("duplicate_copies", counters.duplicate_copies, "Stores of a block already held"),
+        ):
+            yield CounterMetricFamily(f"{PREFIX}_{name}", documentation, value=value)
+        ignored = CounterMetricFamily(
+            f"{PREFIX}_records_ignored",
+            "Event records that changed nothing: replays and older epochs",
+            labels=["reason"],
+        )
+        ignored.add_metric(["duplicate"], counters.duplicates_ignored)
+        ignored.add_metric(["stale_epoch"], counters.stale_epoch_ignored)
+        yield ignored
+
+    def _follower_families(self) -> Iterator[Metric]:
+        stats = self._follower.stats
+        consumed = CounterMetricFamily(
+            f"{PREFIX}_records_consumed",
+            "Kafka records read by this process, bad ones included",
+            labels=["topic"],
+        )
+        for topic, count in sorted(stats.consumed.items()):
+            consumed.add_metric([topic], count)
+        yield consumed
+        yield CounterMetricFamily(
+            f"{PREFIX}_records_applied",
+            "Event records applied to the index by this process",
+            value=stats.events_applied,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_worker_states_applied",
+            "Worker states (catalog, health) applied by this process",
+            value=stats.worker_states_applied,
+        )
+        bad = CounterMetricFamily(
+            f"{PREFIX}_bad_records", "Records skipped as unusable", labels=["topic", "reason"]
+        )
+        for (topic, reason), count in sorted(stats.bad_records.items()):
+            bad.add_metric([topic, reason], count)
+        yield bad
+        yield CounterMetricFamily(
+            f"{PREFIX}_records_lost",
+            "Records deleted by retention before this follower applied them",
+            value=stats.records_lost,
+        )
+        lag = GaugeMetricFamily(
+            f"{PREFIX}_consumer_lag_records",
+            "Records between the applied position and the log end, over assigned partitions",
+            labels=["topic"],
+        )
+        for topic, records in sorted(self._follower.lag_by_topic().items()):
+            lag.add_metric([topic], records)
+        yield lag
+        yield GaugeMetricFamily(
+            f"{PREFIX}_ready",
+            "1 once the follower caught up with the log (what /readyz answers)",
+            value=1 if self._follower.ready else 0,
+        )
+        yield stats.event_age.family(
+            f"{PREFIX}_event_age_seconds",
+            "From the engine batch timestamp to the record being applied",
+        )
+
+    def _snapshot_families(self) -> Iterator[Metric]:
+        stats = self._follower.stats
+        snapshots = CounterMetricFamily(
+            f"{PREFIX}_snapshots", "Snapshot writes by this process", labels=["outcome"]
+        )
+        snapshots.add_metric(["written"], stats.snapshots_written)
+        snapshots.add_metric(["failed"], stats.snapshots_failed)
+        yield snapshots
+        if stats.last_snapshot_at is None:
+            return
+        yield GaugeMetricFamily(
+            f"{PREFIX}_snapshot_age_seconds",
+            "Time since the newest snapshot (written or restored) was taken",
+            value=time.time() - stats.last_snapshot_at,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_snapshot_duration_seconds",
+            "How long the last snapshot write took, capture to stored",
+            value=stats.last_snapshot_duration_s,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_snapshot_size_bytes",
+            "Compressed size of the last snapshot written or restored",
+            value=stats.last_snapshot_bytes,
+        )
+
+    def _score_families(self) -> Iterator[Metric]:
+        stats = self._score_stats
+        requests = CounterMetricFamily(
+            f"{PREFIX}_score_requests", "POST /v1/score requests", labels=["outcome"]
+        )
+        for outcome, count in sorted(stats.requests.items()):
+            requests.add_metric([outcome], count)
+        yield requests
+        yield stats.duration.family(
+            f"{PREFIX}_score_duration_seconds", "Time to answer a score request, reading included"
+        )
+
+
+def index_registry(follower: Follower, score_stats: ScoreStats) -> CollectorRegistry:
+    """A registry of its own: no process or platform collectors from the global one."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(IndexCollector(follower, score_stats))
+    return registry

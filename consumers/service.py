@@ -1,0 +1,102 @@
+"""``hmakv index`` wired together: the follower, its snapshot store, the HTTP API and /metrics.
+
+The HTTP server starts before the follower restores its snapshot, so ``/healthz`` answers (and
+``/readyz`` says 503) through a long restore instead of the process looking dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from consumers.api import ApiLimits, HashingDefaults, ScoreApi, ScoreStats, build_app
+from consumers.follower import Follower, FollowerConfig
+from consumers.metrics import index_registry
+from consumers.snapshots import open_store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8181
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything ``hmakv index`` is configured with; ``port=0`` picks a free port."""
+
+    follower: FollowerConfig
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    snapshot_to: str = "kafka"
+    hashing: HashingDefaults = field(default_factory=HashingDefaults)
+    limits: ApiLimits = field(default_factory=ApiLimits)
+
+
+class IndexService:
+    def __init__(self, config: ServiceConfig) -> None:
+        follower_config = config.follower
+        self.config = config
+        self.follower = Follower(
+            follower_config,
+            open_store(
+                config.snapshot_to,
+                bootstrap=follower_config.bootstrap,
+                topic=follower_config.topics.snapshots,
+                follower_id=follower_config.follower_id,
+                security=follower_config.security,
+            ),
+        )
+        stats = ScoreStats()
+        self.api = ScoreApi(
+            self.follower,
+            index_registry(self.follower, stats),
+            stats,
+            hashing=config.hashing,
+            limits=config.limits,
+        )
+        self._runner = web.AppRunner(build_app(self.api), access_log=None)
+
+    @property
+    def url(self) -> str:
+        host, port = self._runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        log.info(
+            "index API on %s; snapshots: %s",
+            self.url,
+            self.follower.store.describe() if self.follower.store else "none",
+        )
+        await self.follower.start()
+
+    async def stop(self, *, final_snapshot: bool = True) -> None:
+        try:
+            await self.follower.stop(final_snapshot=final_snapshot)
+        finally:
+            await self._runner.cleanup()
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set (final snapshot) or the follower fails (no snapshot)."""
+        following = asyncio.create_task(self._start_and_follow())
+        stopping = asyncio.create_task(stop.wait())
+        crashed = False
+        try:
+            await asyncio.wait({following, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            crashed = following.done()
+            if crashed:
+                following.result()
+        finally:
+            stopping.cancel()
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+            await self.stop(final_snapshot=not crashed)
+
+    async def _start_and_follow(self) -> None:
+        """Returns only by raising: the follower runs until it is cancelled or fails."""
+        await self.start()
+        await self.follower.run()

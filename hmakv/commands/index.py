@@ -1,0 +1,285 @@
+"""``hmakv index``: follow the KV-event log in Kafka, serve /v1/score and /metrics.
+
+Wiring only: the follower, the API and the exporter live in ``consumers``. SIGTERM and SIGINT
+stop it cleanly: applied offsets committed (group mode), a final snapshot, clients closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import signal
+import socket
+
+from bridge.kafka_client import KafkaSecurity
+from bridge.records import DEFAULT_TOPIC_PREFIX, Topics
+from consumers.api import ApiLimits, HashingDefaults
+from consumers.follower import MODES, FollowerConfig
+from consumers.index import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_TIER_WEIGHTS
+from consumers.service import DEFAULT_HOST, DEFAULT_PORT, IndexService, ServiceConfig
+from producer.hashing import HASH_FUNCTIONS
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_RUNTIME_FAILURE = 1
+EXIT_BAD_USAGE = 2
+
+_ENV_PREFIX = "HMAKV_INDEX_"
+
+_EPILOG = f"""\
+Every option can also be set by an environment variable: {_ENV_PREFIX} and the option name in
+capitals with - as _ (HMAKV_INDEX_MODE=group for --mode group), except --kafka
+(HMAKV_KAFKA_BOOTSTRAP) and --topic-prefix (HMAKV_TOPIC_PREFIX). Kafka security comes from
+HMAKV_KAFKA_SECURITY_PROTOCOL, HMAKV_KAFKA_SASL_MECHANISM, HMAKV_KAFKA_SASL_USERNAME,
+HMAKV_KAFKA_SASL_PASSWORD, HMAKV_KAFKA_SSL_CAFILE, HMAKV_KAFKA_SSL_CERTFILE and
+HMAKV_KAFKA_SSL_KEYFILE.
+
+modes:
+  replica  every instance reads every partition: each answers score queries on its own
+  group    a consumer group splits the partitions: for scaling metrics and analytics
+
+examples:
+  hmakv index --kafka 127.0.0.1:9092
+  hmakv index --kafka kafka:9092 --listen 0.0.0.0:8181 --snapshot-to file:/var/lib/hmakv/index
+  curl -s localhost:8181/v1/score -d '{{"token_ids": [1, 2, 3]}}'"""
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(_ENV_PREFIX + name, default)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(text)
+    return value
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(text)
+    return host.strip("[]"), int(port)
+
+
+def _tier_weight(text: str) -> tuple[str, float]:
+    medium, sep, weight = text.partition("=")
+    value = float(weight)
+    if not sep or not medium or not (value >= 0 and math.isfinite(value)):
+        raise ValueError(text)
+    return medium.upper(), value
+
+
+def _snapshot_target(text: str) -> str:
+    if text in ("kafka", "none") or (text.startswith("file:") and len(text) > len("file:")):
+        return text
+    raise ValueError(text)
+
+
+_positive_int.__name__ = "positive integer"  # argparse names the type in its error message
+_non_negative_int.__name__ = "non-negative integer"
+_non_negative_float.__name__ = "non-negative number"
+_host_port.__name__ = "HOST:PORT"
+_tier_weight.__name__ = "MEDIUM=WEIGHT"
+_snapshot_target.__name__ = "kafka, file:PATH or none"
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "index",
+        help="follow the KV-event log in Kafka; serve /v1/score, /v1/workers and /metrics",
+        description="Rebuild every worker's KV-cache residency from Kafka (HMA-aware: per cache "
+        "group and medium), answer which worker holds a prompt's prefix, export Prometheus "
+        "metrics, and snapshot the index so that a restart does not re-read the log.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_kafka_options(parser)
+    _add_snapshot_options(parser)
+    _add_api_options(parser)
+    parser.set_defaults(func=run)
+
+
+def _add_kafka_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kafka",
+        default=os.environ.get("HMAKV_KAFKA_BOOTSTRAP"),
+        metavar="HOST:PORT[,...]",
+        help="Kafka bootstrap servers (env HMAKV_KAFKA_BOOTSTRAP; required)",
+    )
+    parser.add_argument(
+        "--topic-prefix",
+        default=os.environ.get("HMAKV_TOPIC_PREFIX", DEFAULT_TOPIC_PREFIX),
+        help=f"topics are PREFIX.events, .workers, .snapshots (default {DEFAULT_TOPIC_PREFIX})",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default=_env("MODE", "replica"),
+        help="replica: read every partition; group: share them in a consumer group "
+        "(default replica)",
+    )
+    parser.add_argument(
+        "--group-id",
+        default=_env("GROUP_ID", "hmakv-index"),
+        help="consumer group in group mode (default hmakv-index)",
+    )
+    parser.add_argument(
+        "--follower-id",
+        default=_env("FOLLOWER_ID", socket.gethostname()),
+        help="this instance's name: Kafka client id and snapshot key; keep it stable across "
+        "restarts (default: the host name)",
+    )
+    parser.add_argument(
+        "--ready-max-lag",
+        type=_non_negative_int,
+        default=_env("READY_MAX_LAG", "1000"),
+        help="/readyz answers 200 once caught up with the log ends seen at start, or once at "
+        "most this many records are left (default 1000)",
+    )
+
+
+def _add_snapshot_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--snapshot-to",
+        type=_snapshot_target,
+        default=_env("SNAPSHOT_TO", "kafka"),
+        help="kafka (the compacted PREFIX.snapshots topic), file:PATH, or none (default kafka)",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=_non_negative_float,
+        default=_env("SNAPSHOT_INTERVAL", "60"),
+        metavar="SECONDS",
+        help="seconds between snapshots; 0: only at exit (default 60)",
+    )
+
+
+def _add_api_options(parser: argparse.ArgumentParser) -> None:
+    limits = ApiLimits()
+    parser.add_argument(
+        "--listen",
+        type=_host_port,
+        default=_env("LISTEN", f"{DEFAULT_HOST}:{DEFAULT_PORT}"),
+        help=f"HTTP address for the API and /metrics (env HMAKV_INDEX_LISTEN, default "
+        f"{DEFAULT_HOST}:{DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "--hash-fn",
+        choices=HASH_FUNCTIONS,
+        default=_env("HASH_FN", "sha256_cbor"),
+        help="block hash function for token_ids, as the engines' --prefix-caching-hash-algo "
+        "(default sha256_cbor)",
+    )
+    parser.add_argument(
+        "--hash-seed",
+        default=_env("HASH_SEED", "0"),
+        help="the engines' PYTHONHASHSEED, which NONE_HASH derives from (default 0)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=_env("BLOCK_SIZE", str(DEFAULT_HASH_BLOCK_SIZE)),
+        help=f"tokens per hashed block: the engines' smallest block size (default "
+        f"{DEFAULT_HASH_BLOCK_SIZE})",
+    )
+    default_weights = ",".join(f"{m}={w}" for m, w in DEFAULT_TIER_WEIGHTS.items())
+    parser.add_argument(
+        "--tier-weight",
+        type=_tier_weight,
+        action="append",
+        metavar="MEDIUM=WEIGHT",
+        help=f"weight of a cache tier in the score, repeatable; a medium without a weight is "
+        f"not scored (default {default_weights}; env: comma-separated)",
+    )
+    for option, value, what in (
+        ("max-body-bytes", limits.max_body_bytes, "bytes in a request body"),
+        ("max-prompt-tokens", limits.max_prompt_tokens, "token ids in a score request"),
+        ("max-prompt-blocks", limits.max_prompt_blocks, "block hashes in a score request"),
+    ):
+        parser.add_argument(
+            f"--{option}",
+            type=_positive_int,
+            default=_env(option.upper().replace("-", "_"), str(value)),
+            help=f"most {what} (default {value})",
+        )
+
+
+def _tier_weights(args: argparse.Namespace) -> dict[str, float]:
+    if args.tier_weight:
+        return dict(args.tier_weight)
+    configured = _env("TIER_WEIGHT")
+    if configured:
+        return dict(_tier_weight(part) for part in configured.split(",") if part)
+    return dict(DEFAULT_TIER_WEIGHTS)
+
+
+def service_config(args: argparse.Namespace) -> ServiceConfig:
+    """The parsed options as the service's configuration; ValueError on a bad combination."""
+    if not args.kafka:
+        raise ValueError("--kafka (or HMAKV_KAFKA_BOOTSTRAP) is required")
+    host, port = args.listen
+    follower = FollowerConfig(
+        bootstrap=args.kafka,
+        topics=Topics(args.topic_prefix),
+        mode=args.mode,
+        group_id=args.group_id,
+        follower_id=args.follower_id,
+        security=KafkaSecurity.from_env(),
+        hash_block_size=args.block_size,
+        tier_weights=_tier_weights(args),
+        snapshot_interval_s=args.snapshot_interval,
+        ready_max_lag=args.ready_max_lag,
+    )
+    return ServiceConfig(
+        follower=follower,
+        host=host,
+        port=port,
+        snapshot_to=args.snapshot_to,
+        hashing=HashingDefaults(hash_fn=args.hash_fn, seed=args.hash_seed),
+        limits=ApiLimits(
+            max_body_bytes=args.max_body_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_prompt_blocks=args.max_prompt_blocks,
+        ),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = service_config(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return EXIT_BAD_USAGE
+    try:
+        asyncio.run(_serve(config))
+    except Exception:
+        log.exception("the index stopped on an error")
+        return EXIT_RUNTIME_FAILURE
+    return EXIT_OK
+
+
+async def _serve(config: ServiceConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await IndexService(config).run_until(stop)

@@ -1,0 +1,256 @@
+"""The score API over real HTTP on loopback, on an index filled by applying records directly.
+
+No broker: the follower is not started (so /readyz must say 503), and the records a follower
+would apply from Kafka are applied to its index here. The OpenAPI document is checked against
+the routes the app really serves and against the bodies it really answers with.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from bridge.records import EventRecord, Topics
+from consumers.api import ApiLimits, HashingDefaults, ScoreApi, ScoreStats, build_app
+from consumers.follower import Follower, FollowerConfig
+from consumers.metrics import index_registry
+from producer.events import BlockRemoved, BlockStored, ExternalBlockHash
+from producer.hashing import BlockHasher, block_extra_keys, external
+
+BLOCK = 16
+LIMITS = ApiLimits(max_body_bytes=64 * 1024, max_prompt_tokens=2048, max_prompt_blocks=128)
+PROMPT = list(range(100, 100 + 8 * BLOCK + 5))  # 8 full blocks and 5 tokens
+HASHER = BlockHasher("sha256_cbor", "0")
+HASHES: list[ExternalBlockHash] = [
+    external(digest) for digest in HASHER.block_hashes(PROMPT, BLOCK)
+]
+LORA_HASHES: list[ExternalBlockHash] = [
+    external(digest)
+    for digest in HASHER.block_hashes(
+        PROMPT, BLOCK, extra_keys=block_extra_keys(8, BLOCK, lora_name="adapter")
+    )
+]
+
+
+def stored(
+    hashes: list[ExternalBlockHash], group: int, *, window: int | None = None, medium: str = "GPU"
+) -> Any:
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=BLOCK,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind="sliding_window" if window else "full_attention",
+        kv_cache_spec_sliding_window=window,
+    )
+
+
+def fill(follower: Follower) -> None:
+    """Three workers with groups full (0) and sliding window 32 (1), two blocks of window.
+
+    - ``full``: the whole prompt in both groups: a hit of all 8 blocks.
+    - ``evicted``: all 8 full-attention blocks, but window blocks 4..7 evicted: vLLM can only
+      hit 4 blocks (it needs the two window blocks before the hit); a group-blind index says 8.
+    - ``lora``: the prompt cached under a LoRA adapter's hashes, degraded.
+    """
+    index = follower.index
+    for worker, hashes in (("full", HASHES), ("evicted", HASHES), ("lora", LORA_HASHES)):
+        index.apply(EventRecord(worker, 0, 0, 0.0, 0, [stored(hashes, 0)]))
+        index.apply(EventRecord(worker, 0, 0, 0.0, 1, [stored(hashes, 1, window=32)]))
+    index.apply(EventRecord("evicted", 0, 1, 0.0, 1, [BlockRemoved(HASHES[4:], "GPU", 1)]))
+    index.set_health("lora", "degraded")
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[TestClient[Any, Any]]:
+    follower = Follower(FollowerConfig("127.0.0.1:1", Topics("unused"), hash_block_size=BLOCK))
+    fill(follower)
+    stats = ScoreStats()
+    api = ScoreApi(
+        follower, index_registry(follower, stats), stats, hashing=HashingDefaults(), limits=LIMITS
+    )
+    async with TestClient(TestServer(build_app(api))) as test_client:
+        yield test_client
+
+
+async def post_score(client: TestClient[Any, Any], body: Any) -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = await client.post("/v1/score", data=data)
+    return response.status, await response.json()
+
+
+def by_worker(answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {hit["worker"]: hit for hit in answer["workers"]}
+
+
+async def test_token_ids_are_hashed_as_vllm_hashes_them_and_scored_per_group(
+    client: TestClient[Any, Any],
+) -> None:
+    status, answer = await post_score(client, {"token_ids": PROMPT})
+    assert status == 200
+    hits = by_worker(answer)
+    assert hits["full"]["hit_tokens"] == 8 * BLOCK
+    assert hits["full"]["groups"] == {"0": 8 * BLOCK, "1": 8 * BLOCK}
+    assert hits["evicted"]["hit_tokens"] == 4 * BLOCK
+    assert hits["evicted"]["group_blind_hit_tokens"] == 8 * BLOCK
+    assert hits["lora"]["hit_tokens"] == 0
+    assert answer["best"] == "full"
+    assert answer["prompt_blocks"] == 8 and answer["num_tokens"] == len(PROMPT)
+    assert [hit["worker"] for hit in answer["workers"]] == ["full", "evicted", "lora"]
+
+
+async def test_block_hashes_lora_and_worker_filter(client: TestClient[Any, Any]) -> None:
+    status, answer = await post_score(client, {"block_hashes": HASHES[:6], "workers": ["evicted"]})
+    assert status == 200
+    assert list(by_worker(answer)) == ["evicted"]
+    assert by_worker(answer)["evicted"]["hit_tokens"] == 4 * BLOCK
+
+    status, answer = await post_score(client, {"token_ids": PROMPT, "lora_name": "adapter"})
+    assert status == 200
+    lora = by_worker(answer)["lora"]
+    assert (lora["hit_tokens"], lora["degraded"], lora["health"]) == (8 * BLOCK, True, "degraded")
+    assert answer["best"] is None, "a degraded worker is never the best"
+
+    as_bytes = int(HASHES[0]).to_bytes(8, "big").hex()
+    status, answer = await post_score(client, {"block_hashes": [as_bytes]})
+    assert status == 200 and by_worker(answer)["full"]["hit_tokens"] == 0  # bytes != int hash
+
+
+async def test_naive_group_blind_answer_is_reported_beside(client: TestClient[Any, Any]) -> None:
+    status, answer = await post_score(client, {"token_ids": PROMPT, "workers": ["evicted"]})
+    assert status == 200
+    assert answer["best"] == "evicted"
+    assert answer["group_blind"] == {"best": "evicted", "hit_tokens": 8 * BLOCK}
+
+
+BAD_REQUESTS = [
+    pytest.param(b"", 400, "empty body", id="empty-body"),
+    pytest.param(b"{not json", 400, "invalid JSON", id="not-json"),
+    pytest.param(b"[1, 2]", 400, "Expected `object`", id="not-an-object"),
+    pytest.param({}, 400, "exactly one of", id="empty-object"),
+    pytest.param({"token_ids": []}, 400, "token_ids is empty", id="no-tokens"),
+    pytest.param({"block_hashes": []}, 400, "block_hashes is empty", id="no-hashes"),
+    pytest.param({"token_ids": [1, "2"]}, 400, "$.token_ids[1]", id="wrong-type"),
+    pytest.param({"token_ids": [-1]}, 400, ">= 0", id="negative-token"),
+    pytest.param({"token_ids": [1], "prompt": "x"}, 400, "unknown field `prompt`", id="unknown"),
+    pytest.param({"token_ids": [1], "block_hashes": [1]}, 400, "exactly one of", id="both"),
+    pytest.param({"token_ids": [1], "num_tokens": 3}, 400, "num_tokens goes", id="num-tokens"),
+    pytest.param({"token_ids": [1], "block_size": 32}, 400, "blocks of 16", id="block-size"),
+    pytest.param({"token_ids": [1], "hash_fn": "sha256"}, 400, "pickle", id="pickle-hash"),
+    pytest.param({"token_ids": [1], "hash_fn": "md5"}, 400, "unknown hash", id="unknown-hash"),
+    pytest.param({"block_hashes": [2**64]}, 400, "unsigned 64-bit", id="hash-too-big"),
+    pytest.param({"block_hashes": [-1]}, 400, "unsigned 64-bit", id="negative-hash"),
+    pytest.param({"block_hashes": ["xyz"]}, 400, "neither an int nor hex", id="bad-hex"),
+    pytest.param({"block_hashes": [1], "seed": "1"}, 400, "go with token_ids", id="seed-hashes"),
+    pytest.param({"block_hashes": [1, 2], "num_tokens": 17}, 400, "shorter", id="short"),
+    pytest.param(
+        {"token_ids": [1] * 32, "extra_keys": [["a"]], "lora_name": "x"},
+        400,
+        "extra_keys",
+        id="extra-keys-and-lora",
+    ),
+    pytest.param({"token_ids": [1] * 32, "extra_keys": [["a"]]}, 400, "extra_keys", id="few-keys"),
+    pytest.param({"token_ids": [1] * 2049}, 413, "at most 2048", id="too-many-tokens"),
+    pytest.param({"block_hashes": [1] * 129}, 413, "at most 128", id="too-many-blocks"),
+    pytest.param(b" " * (64 * 1024 + 1), 413, "larger than 65536", id="body-too-large"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "message"), BAD_REQUESTS)
+async def test_bad_requests_get_a_4xx_and_a_json_error_that_says_why(
+    client: TestClient[Any, Any], body: Any, status: int, message: str
+) -> None:
+    got_status, answer = await post_score(client, body)
+    assert got_status == status
+    assert list(answer) == ["error"]
+    assert message in answer["error"]
+
+
+async def test_unknown_paths_and_methods_answer_json_errors(client: TestClient[Any, Any]) -> None:
+    for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/score", 405)):
+        response = await client.request(method, path)
+        assert response.status == status
+        assert list(await response.json()) == ["error"]
+
+
+async def test_workers_health_and_readiness(client: TestClient[Any, Any]) -> None:
+    response = await client.get("/v1/workers")
+    workers = {view["worker"]: view for view in (await response.json())["workers"]}
+    assert workers["evicted"]["resident_blocks"] == {"0": {"GPU": 8}, "1": {"GPU": 4}}
+    assert workers["evicted"]["last_seq"] == {"0": 0, "1": 1}
+    assert workers["evicted"]["groups"]["1"] == {
+        "kind": "sliding_window",
+        "block_size": 16,
+        "sliding_window": 32,
+        "chunk_size": None,
+    }
+    assert workers["lora"]["health"] == "degraded"
+    assert (await client.get("/healthz")).status == 200
+    response = await client.get("/readyz")
+    assert response.status == 503, "a follower that never started is not ready"
+    assert (await response.json())["ready"] is False
+
+
+# ----------------------------------------------------------------------------- OpenAPI
+
+
+async def openapi(client: TestClient[Any, Any]) -> dict[str, Any]:
+    response = await client.get("/openapi.json")
+    assert response.status == 200
+    document: dict[str, Any] = await response.json()
+    return document
+
+
+async def test_openapi_document_lists_exactly_the_routes_the_app_serves(
+    client: TestClient[Any, Any],
+) -> None:
+    document = await openapi(client)
+    assert document["openapi"].startswith("3.")
+    served = {
+        (route.method.lower(), route.resource.canonical)
+        for route in client.app.router.routes()
+        if route.method != "HEAD" and route.resource is not None
+    }
+    documented = {(method, path) for path, item in document["paths"].items() for method in item}
+    assert served == documented
+    for schema in document["components"]["schemas"].values():
+        jsonschema.Draft202012Validator.check_schema(schema)
+    limits = document["components"]["schemas"]["ScoreRequest"]["properties"]["token_ids"]
+    assert {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 2048} in (
+        limits["anyOf"]
+    )
+
+
+def validate(document: dict[str, Any], path: str, method: str, status: int, body: Any) -> None:
+    """The body must match the schema the document gives for this route and status."""
+    response = document["paths"][path][method]["responses"][str(status)]
+    schema = response["content"]["application/json"]["schema"]
+    jsonschema.validate(body, {**schema, "components": document["components"]})
+
+
+async def test_answers_match_the_documented_schemas(client: TestClient[Any, Any]) -> None:
+    document = await openapi(client)
+    status, answer = await post_score(client, {"token_ids": PROMPT})
+    validate(document, "/v1/score", "post", status, answer)
+    status, answer = await post_score(client, {"token_ids": [1] * 2049})
+    validate(document, "/v1/score", "post", status, answer)
+    status, answer = await post_score(client, {"token_ids": "x"})
+    validate(document, "/v1/score", "post", status, answer)
+    for path in ("/v1/workers", "/healthz", "/readyz", "/openapi.json"):
+        response = await client.get(path)
+        validate(document, path, "get", response.status, await response.json())
+    # The schemas are not vacuous: a wrong body fails them.
+    with pytest.raises(jsonschema.ValidationError):
+        validate(document, "/v1/score", "post", 200, {"best": 1})
+    metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    response = await client.get("/metrics")
+    assert response.content_type in metrics

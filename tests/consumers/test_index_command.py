@@ -1,0 +1,143 @@
+"""``hmakv index`` as a process: SIGTERM leaves a final snapshot, SIGKILL leaves the last one, and
+either way the next start restores it and reads only what came after."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from follower_kit import LogWriter, fresh_topics, record, stored, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from bridge.records import Topics
+from hmakv.kafka.process import free_port
+
+EXIT_TIMEOUT_S = 60
+
+
+@contextmanager
+def index_process(
+    bootstrap: str, topics: Topics, snapshot: Path, port: int
+) -> Iterator[subprocess.Popen[bytes]]:
+    command = [
+        sys.executable, "-m", "hmakv.cli", "index",
+        "--topic-prefix", topics.prefix,
+        "--snapshot-to", f"file:{snapshot}",
+        "--snapshot-interval", "0",
+        "--follower-id", "cli-test",
+        "--ready-max-lag", "0",
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "HMAKV_KAFKA_BOOTSTRAP": bootstrap,
+        "HMAKV_INDEX_LISTEN": f"127.0.0.1:{port}",
+    }
+    process = subprocess.Popen(command, env=env)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(EXIT_TIMEOUT_S)
+
+
+class Index:
+    def __init__(self, http: aiohttp.ClientSession, port: int) -> None:
+        self.http = http
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def ready(self) -> bool:
+        try:
+            async with self.http.get(f"{self.url}/readyz") as response:
+                return response.status == 200
+        except aiohttp.ClientConnectionError:
+            return False
+
+    async def workers(self) -> Any:
+        async with self.http.get(f"{self.url}/v1/workers") as response:
+            return (await response.json())["workers"]
+
+    async def consumed_events(self, topics: Topics) -> float:
+        async with self.http.get(f"{self.url}/metrics") as response:
+            text = await response.text()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "hmakv_index_records_consumed_total" and sample.labels == {
+                    "topic": topics.events
+                }:
+                    return sample.value
+        return 0.0
+
+
+@pytest.mark.kafka
+async def test_sigterm_snapshots_and_a_restart_after_sigkill_reads_only_what_is_new(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    topics = await fresh_topics(kafka_bootstrap)
+    snapshot = tmp_path / "index.snapshot"
+    port = free_port()
+    async with LogWriter(kafka_bootstrap, topics) as log, aiohttp.ClientSession() as http:
+        index = Index(http, port)
+        await log.events(*(record("w", seq, [stored([seq])]) for seq in range(6)))
+        with index_process(kafka_bootstrap, topics, snapshot, port) as process:
+            await wait_until(index.ready, "the first process ready")
+            assert (await index.workers())[0]["last_seq"] == {"0": 5}
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(EXIT_TIMEOUT_S) == 0
+        assert snapshot.is_file()
+
+        await log.events(*(record("w", seq, [stored([seq])]) for seq in range(6, 10)))
+        with index_process(kafka_bootstrap, topics, snapshot, port) as process:
+            await wait_until(index.ready, "the second process ready")
+            assert await index.consumed_events(topics) == 4
+            expected = await index.workers()
+            assert expected[0]["last_seq"] == {"0": 9}
+            process.kill()
+            process.wait(EXIT_TIMEOUT_S)
+
+        with index_process(kafka_bootstrap, topics, snapshot, port):
+            await wait_until(index.ready, "the third process ready")
+            assert await index.consumed_events(topics) == 4, "only what followed the snapshot"
+            assert await index.workers() == expected
+
+
+def test_missing_kafka_address_is_a_usage_error(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "HMAKV_KAFKA_BOOTSTRAP"}
+    result = subprocess.run(
+        [sys.executable, "-m", "hmakv.cli", "index", "--snapshot-to", "none"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=EXIT_TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "--kafka" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argument",
+    [
+        ["--snapshot-to", "s3://bucket"],
+        ["--mode", "solo"],
+        ["--listen", "8181"],
+        ["--tier-weight", "GPU"],
+    ],
+)
+def test_bad_options_are_usage_errors(argument: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hmakv.cli", "index", "--kafka", "127.0.0.1:1", *argument],
+        capture_output=True,
+        text=True,
+        timeout=EXIT_TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr

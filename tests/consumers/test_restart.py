@@ -1,0 +1,192 @@
+"""Snapshots: a follower killed without a final snapshot restarts from its last one, gives the
+same answers, and reads only what came after it, from a file or from the compacted topic."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
+from aiokafka.structs import TopicPartition
+from follower_kit import (
+    SWA,
+    LogWriter,
+    cleared,
+    follower_config,
+    fresh_topics,
+    record,
+    removed,
+    stored,
+    wait_until,
+)
+
+from bridge.kafka_client import create_consumer
+from bridge.records import EventRecord, Topics
+from consumers.follower import Follower, FollowerConfig
+from consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore
+from hmakv.kafka import unique_topic
+from producer.events import KVEvent
+
+pytestmark = pytest.mark.kafka
+
+WORKERS = ("a", "b", "c")
+PROMPTS = [list(range(1, n)) for n in (3, 6, 9, 12)]
+
+
+def history(seqs: range) -> list[EventRecord]:
+    """Each worker stores a growing prefix in groups 0 (full) and 1 (window), evicts some.
+
+    A window block is evicted at least three seqs after its full-attention copy was stored, so
+    partial evictions count the same however the two groups' partitions interleave.
+    """
+    records = []
+    for seq in seqs:
+        for n, worker in enumerate(WORKERS):
+            hashes = list(range(1, seq + n + 2))
+            records.append(record(worker, seq, [stored(hashes[-2:])], group=0))
+            window: list[KVEvent] = [
+                stored(hashes[-2:], group=1, spec=SWA),
+                removed(hashes[:-3], group=1),
+            ]
+            records.append(record(worker, seq, window, group=1))
+    return records
+
+
+def store_for(target: str, bootstrap: str, topics: Topics, tmp_path: Path) -> SnapshotStore:
+    if target == "file":
+        return FileSnapshotStore(tmp_path / "index.snapshot")
+    # Tiny chunks: every snapshot spans many records.
+    return KafkaSnapshotStore(bootstrap, topics.snapshots, "restart-test", chunk_bytes=256)
+
+
+def answers(follower: Follower) -> list[object]:
+    index = follower.index
+    scores = [index.score(prompt, len(prompt) * 16 + 1) for prompt in PROMPTS]
+    return [index.workers(), index.counters, scores]
+
+
+def events_consumed(follower: Follower) -> int:
+    return follower.stats.consumed.get(follower.config.topics.events, 0)
+
+
+async def applied_everything(follower: Follower, count: int) -> None:
+    await wait_until(lambda: events_consumed(follower) == count, f"{count} records consumed")
+
+
+@pytest.mark.parametrize("target", ["file", "kafka"])
+async def test_restart_resumes_from_the_snapshot_with_the_same_answers(
+    kafka_bootstrap: str, tmp_path: Path, target: str
+) -> None:
+    topics = await fresh_topics(kafka_bootstrap, partitions=2)
+    config = follower_config(kafka_bootstrap, topics)
+    before, after = (
+        [*history(range(0, 12)), record("d", 0, [stored([1, 2])])],
+        # "d" has one group: its clear cannot race another partition's records of "d", so the
+        # answers do not depend on how the two partitions' records interleave.
+        [*history(range(12, 15)), record("d", 1, [cleared()])],
+    )
+    async with LogWriter(kafka_bootstrap, topics) as log:
+        first = Follower(config, store_for(target, kafka_bootstrap, topics, tmp_path))
+        await first.start()
+        await log.events(*before)
+        await applied_everything(first, len(before))
+        snapshot = await first.snapshot_now()
+        assert snapshot is not None
+        await log.events(*after)
+        await applied_everything(first, len(before) + len(after))
+        expected = answers(first)
+        await first.stop(final_snapshot=False)  # what a crash leaves: the older snapshot
+
+        second = Follower(config, store_for(target, kafka_bootstrap, topics, tmp_path))
+        await second.start()
+        try:
+            await wait_until(lambda: second.ready, "the restarted follower ready")
+            await applied_everything(second, len(after))
+            assert answers(second) == expected
+            saved = {TopicPartition(o.topic, o.partition): o.offset for o in snapshot.offsets}
+            assert second.stats.restored_offsets == saved
+            assert second.stats.start_offsets == saved, "it resumed where the snapshot was taken"
+            assert sum(saved.values()) == len(before), "the snapshot reflects what was applied"
+        finally:
+            await second.stop()
+
+
+async def test_kafka_store_keeps_only_the_newest_snapshot(kafka_bootstrap: str) -> None:
+    topic = unique_topic("hmakv-snapshots")
+    writer = KafkaSnapshotStore(kafka_bootstrap, topic, "keeper", chunk_bytes=100)
+    try:
+        assert await writer.load() is None
+        await writer.save(b"old" * 200)
+        await writer.save(b"new" * 150)
+    finally:
+        await writer.close()
+    reader = KafkaSnapshotStore(kafka_bootstrap, topic, "keeper")
+    assert await reader.load() == b"new" * 150
+    latest = await _latest_values(kafka_bootstrap, topic)
+    live_chunks = {key for key, value in latest.items() if b"/" in key and value is not None}
+    deleted = {key for key, value in latest.items() if b"/" in key and value is None}
+    assert len(live_chunks) == 5 and len(deleted) == 6  # 450 / 100 bytes, 600 / 100 bytes
+    assert latest[b"keeper"] is not None
+
+
+async def _latest_values(bootstrap: str, topic: str) -> dict[bytes, bytes | None]:
+    consumer = create_consumer(bootstrap, topic, client_id="test-snapshot-reader")
+    await consumer.start()
+    latest: dict[bytes, bytes | None] = {}
+    try:
+        tp = TopicPartition(topic, 0)
+        end = (await consumer.end_offsets([tp]))[tp]
+        while not latest or await consumer.position(tp) < end:
+            for records in (await consumer.getmany(timeout_ms=1000)).values():
+                latest.update((r.key, r.value) for r in records)
+    finally:
+        await consumer.stop()
+    return latest
+
+
+async def test_an_unreadable_snapshot_means_reading_the_log_from_the_start(
+    kafka_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    topics = await fresh_topics(kafka_bootstrap)
+    path = tmp_path / "index.snapshot"
+    path.write_bytes(b"not a snapshot")
+    records = history(range(3))
+    async with LogWriter(kafka_bootstrap, topics) as log:
+        await log.events(*records)
+    follower = Follower(follower_config(kafka_bootstrap, topics), FileSnapshotStore(path))
+    with caplog.at_level(logging.ERROR, logger="consumers.follower"):
+        await follower.start()
+    try:
+        await applied_everything(follower, len(records))
+        assert "cannot restore" in caplog.text
+    finally:
+        await follower.stop()
+    assert path.read_bytes() != b"not a snapshot", "the final snapshot replaced it"
+
+
+async def test_records_deleted_before_the_snapshot_caught_up_are_counted_as_lost(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    topics = await fresh_topics(kafka_bootstrap)
+    config: FollowerConfig = follower_config(kafka_bootstrap, topics)
+    async with LogWriter(kafka_bootstrap, topics) as log:
+        await log.events(*(record("a", seq, [stored([seq])]) for seq in range(10)))
+        first = Follower(config, FileSnapshotStore(tmp_path / "index.snapshot"))
+        await first.start()
+        await applied_everything(first, 10)
+        await first.stop()  # snapshot at offset 10
+        offsets = await log.events(*(record("a", seq, [stored([seq])]) for seq in range(10, 15)))
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_records({TopicPartition(topics.events, 0): RecordsToDelete(offsets[3])})
+    finally:
+        await admin.close()
+    second = Follower(config, FileSnapshotStore(tmp_path / "index.snapshot"))
+    await second.start()
+    try:
+        await applied_everything(second, 2)
+        assert second.stats.records_lost == 3
+    finally:
+        await second.stop()

@@ -1,0 +1,270 @@
+"""The index on hand-worked cases: the hit rule per group kind, counting, idempotency, clears,
+tiers, health and snapshots. The random and vLLM-trace checks are in test_index_*.py."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from bridge.records import EventRecord
+from consumers.index import ApplyOutcome, KVIndex, WorkerScore
+from producer.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    GroupSpec,
+    KVEvent,
+)
+
+B = 16
+FULL = GroupSpec("full_attention", B)
+SWA_128 = GroupSpec("sliding_window", B, sliding_window=128)
+
+
+def stored(
+    hashes: Sequence[ExternalBlockHash],
+    group: int,
+    spec: GroupSpec = FULL,
+    medium: str | None = "GPU",
+) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=spec.block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind=spec.kind,
+        kv_cache_spec_sliding_window=spec.sliding_window,
+    )
+
+
+def removed(hashes: Sequence[ExternalBlockHash], group: int, medium: str = "GPU") -> BlockRemoved:
+    return BlockRemoved(list(hashes), medium, group)
+
+
+def record(
+    seq: int, group: int, *events: KVEvent, worker: str = "w0", epoch: int = 0
+) -> EventRecord:
+    return EventRecord(worker, epoch, seq, 0.0, group, list(events))
+
+
+def only(scores: list[WorkerScore], worker: str = "w0") -> WorkerScore:
+    return next(s for s in scores if s.worker == worker)
+
+
+PROMPT = list(range(100, 125))  # 25 blocks of 16 tokens
+
+
+def gpt_oss_like() -> KVIndex:
+    """Full attention holds blocks 0..24, the 128-token window group only blocks 12..19."""
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(0, 0, stored(PROMPT, 0)))
+    index.apply(record(0, 1, stored(PROMPT[12:20], 1, SWA_128)))
+    return index
+
+
+def test_gpt_oss_hit_needs_full_prefix_and_the_trailing_window_blocks() -> None:
+    """KV-EVENTS-FACTS: W=128, B=16 -> 8 trailing SWA blocks; a 20-block hit needs 12..19."""
+    score = only(gpt_oss_like().score(PROMPT, len(PROMPT) * B))
+    assert (score.hit_tokens, score.hit_blocks) == (20 * B, 20)
+    assert score.group_hit_tokens == {0: 24 * B, 1: 20 * B}  # at most num_tokens - 1
+    # Ignoring groups, every block is "cached" somewhere: the blind answer over-reports.
+    assert score.group_blind_hit_tokens == 24 * B
+
+
+def test_sliding_window_removal_keeps_the_full_attention_copy() -> None:
+    index = gpt_oss_like()
+    index.apply(record(1, 1, removed([PROMPT[12]], 1)))
+    score = only(index.score(PROMPT, len(PROMPT) * B))
+    assert score.hit_tokens == 0  # no run of 8 window blocks left, block 0 not in the window
+    assert score.group_hit_tokens[0] == 24 * B
+    assert index.counters.partial_evictions == 1
+    assert index.workers()[0].resident == {0: {"GPU": 25}, 1: {"GPU": 7}}
+
+
+def test_hit_stops_one_token_short_of_the_prompt() -> None:
+    index = gpt_oss_like()
+    assert only(index.score(PROMPT[:20], 20 * B + 1)).hit_tokens == 20 * B
+    assert only(index.score(PROMPT[:20], 20 * B)).hit_tokens == 0  # 19 blocks: window 11..18
+
+
+def test_duplicate_copies_stay_resident_until_the_last_removal() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(0, 0, stored([1, 2], 0), stored([1], 0)))
+    index.apply(record(1, 0, removed([1], 0)))
+    assert only(index.score([1, 2], 3 * B)).hit_tokens == 2 * B
+    index.apply(record(2, 0, removed([1, 1], 0)))
+    assert only(index.score([1, 2], 3 * B)).hit_tokens == 0
+    counters = index.counters
+    assert (counters.stored, counters.duplicate_copies) == (3, 1)
+    assert (counters.removed, counters.anomalies) == (2, 1)  # the third removal held nothing
+
+
+def test_replayed_records_change_nothing() -> None:
+    index = KVIndex(hash_block_size=B)
+    records = [record(seq, 0, stored([seq], 0)) for seq in range(4)]
+    records += [record(4, 0, removed([0], 0))]
+    for each in records:
+        assert index.apply(each) is ApplyOutcome.APPLIED
+    before = index.snapshot()
+    # The bridge delivers at least once: an overlap of already applied records comes again.
+    assert {index.apply(each) for each in records[1:]} == {ApplyOutcome.DUPLICATE}
+    assert index.counters.duplicates_ignored == 4
+    assert KVIndex.restore(index.snapshot()).workers() == KVIndex.restore(before).workers()
+    assert only(index.score([0, 1], 3 * B)).hit_tokens == 0
+
+
+def test_seqs_are_tracked_per_group() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(7, 1, stored([1], 1, SWA_128)))
+    assert index.apply(record(3, 0, stored([1], 0))) is ApplyOutcome.APPLIED
+    assert index.workers()[0].last_seq == {0: 3, 1: 7}
+
+
+def test_older_epoch_is_ignored_and_newer_epoch_clears_the_worker() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(0, 0, stored([1, 2, 3], 0)))
+    index.apply(record(0, 0, stored([9], 0), epoch=1))  # engine restarted: seq starts again
+    assert only(index.score([1, 2, 3], 4 * B)).hit_tokens == 0
+    assert index.apply(record(5, 0, stored([1, 2, 3], 0))) is ApplyOutcome.STALE_EPOCH
+    assert only(index.score([1, 2, 3], 4 * B)).hit_tokens == 0
+    assert only(index.score([9], 2 * B)).hit_tokens == B
+    counters = index.counters
+    assert (counters.restarts, counters.stale_epoch_ignored) == (1, 1)
+    assert index.workers()[0].epoch == 1
+
+
+def test_blocks_from_before_a_clear_are_never_hits() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(0, 0, stored([1, 2], 0), stored([1, 2], 0, medium="CPU")))
+    index.apply(record(1, 0, AllBlocksCleared(), stored([1], 0)))
+    score = only(index.score([1, 2], 3 * B))
+    assert score.hit_tokens == B
+    assert score.tier_hit_tokens == {"GPU": B, "CPU": B, "STORAGE": B}  # CPU copies went too
+    index.apply(record(2, 0, removed([2], 0)))  # the engine evicts what it no longer has
+    assert index.counters.anomalies == 1
+    assert index.counters.cleared == 1
+
+
+def test_mamba_needs_only_the_aligned_state_block() -> None:
+    """Mamba blocks of 32 tokens over 16-token hashes: block j goes by hash 2j+1."""
+    mamba = GroupSpec("mamba", 2 * B)
+    index = KVIndex(hash_block_size=B)
+    prompt = list(range(8))
+    index.apply(record(0, 0, stored(prompt, 0)))
+    index.apply(record(0, 1, stored([prompt[3], prompt[7]], 1, mamba)))
+    assert only(index.score(prompt, 8 * B + 1)).hit_tokens == 8 * B
+    index.apply(record(1, 1, removed([prompt[7]], 1)))
+    assert only(index.score(prompt, 8 * B + 1)).hit_tokens == 4 * B
+    # The hit is a multiple of the 32-token alignment: 7 blocks of full attention give 6.
+    assert only(index.score(prompt, 7 * B + 1)).hit_tokens == 4 * B
+
+
+def test_chunked_local_attention_skips_blocks_before_the_current_chunk() -> None:
+    chunked = GroupSpec("chunked_local_attention", B, chunk_size=4 * B)
+    index = KVIndex(hash_block_size=B)
+    index.set_catalog("w0", {0: FULL, 1: chunked})
+    prompt = list(range(8))
+    index.apply(record(0, 0, stored(prompt, 0)))
+    index.apply(record(0, 1, stored(prompt[4:6], 1, chunked)))
+    # The store does not carry the chunk size; the configured one is kept.
+    assert index.workers()[0].groups[1] == chunked
+    # 128 tokens start a new chunk: nothing of the chunked group is needed.
+    assert only(index.score(prompt, 8 * B + 1)).hit_tokens == 8 * B
+    # 112 tokens need chunk blocks 4..6; block 6 is missing, 96 needs only 4..5.
+    assert only(index.score(prompt, 7 * B + 1)).hit_tokens == 6 * B
+
+
+def test_tier_weighted_score_counts_each_stretch_at_its_slowest_tier() -> None:
+    index = KVIndex(hash_block_size=B)
+    prompt = list(range(12))
+    index.apply(record(0, 0, stored(prompt[:4], 0), stored(prompt[4:8], 0, medium="CPU")))
+    index.apply(record(1, 0, stored(prompt[8:], 0, medium="STORAGE")))
+    score = only(index.score(prompt, 12 * B + 1))
+    assert score.hit_tokens == 4 * B
+    assert score.tier_hit_tokens == {"GPU": 4 * B, "CPU": 8 * B, "STORAGE": 12 * B}
+    assert score.weighted_tokens == pytest.approx(4 * B * 1.0 + 4 * B * 0.8 + 4 * B * 0.5)
+    custom = KVIndex.restore(index.snapshot(), tier_weights={"GPU": 1.0, "CPU": 0.25})
+    score = only(custom.score(prompt, 12 * B + 1))
+    assert score.tier_hit_tokens == {"GPU": 4 * B, "CPU": 8 * B}
+    assert score.weighted_tokens == pytest.approx(4 * B + 4 * B * 0.25)
+
+
+def test_scores_come_best_first_and_flag_health_and_unusable_catalogs() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(0, 0, stored([1], 0), worker="short"))
+    index.apply(record(0, 0, stored([1, 2], 0), worker="long"))
+    index.apply(record(0, 0, stored([1, 2], 0, GroupSpec("full_attention", 24)), worker="odd"))
+    index.set_health("long", "degraded")
+    scores = index.score([1, 2], 3 * B)
+    assert [(s.worker, s.hit_tokens, s.health) for s in scores] == [
+        ("long", 2 * B, "degraded"),
+        ("short", B, "live"),
+        ("odd", 0, "live"),
+    ]
+    # 24-token blocks cannot be looked up with 16-token hashes: a 0 that is not an answer.
+    assert [s.catalog_ok for s in scores] == [True, True, False]
+    with pytest.raises(ValueError, match="health"):
+        index.set_health("long", "asleep")  # type: ignore[arg-type]
+
+
+def test_groups_are_learned_from_stores_and_bytes_hashes_work() -> None:
+    index = KVIndex(hash_block_size=B)
+    digests = [bytes([i]) * 32 for i in range(3)]
+    index.apply(record(0, 0, stored(digests, 0)))
+    index.apply(record(0, 1, stored(digests, 1, SWA_128)))
+    assert index.workers()[0].groups == {0: FULL, 1: SWA_128}
+    assert only(index.score(digests, 3 * B + 1)).hit_tokens == 3 * B
+    index.apply(record(1, 1, removed([digests[0]], 1)))
+    # Blocks 1..2 are not the 8 trailing blocks a 128-token window needs, nor a run from 0.
+    assert only(index.score(digests, 3 * B + 1)).hit_tokens == 0
+
+
+def test_a_forgotten_workers_slot_is_reused_without_its_blocks() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(0, 0, stored([1, 2], 0), worker="gone"))
+    index.forget_worker("gone")
+    index.apply(record(0, 0, stored([7], 0), worker="new"))
+    assert [(s.worker, s.hit_tokens) for s in index.score([1, 2], 3 * B)] == [("new", 0)]
+
+
+HIGH = 1 << 63  # vLLM's external hashes are uint64: msgpack needs 9 bytes for most
+
+
+def fleet(workers: int, hashes: int) -> KVIndex:
+    index = KVIndex(hash_block_size=B)
+    blocks: list[ExternalBlockHash] = [HIGH + i for i in range(hashes)]
+    for w in range(workers):
+        name = f"w{w}"
+        index.apply(record(0, 0, stored(blocks, 0), worker=name))
+        index.apply(record(0, 1, stored(blocks, 1, SWA_128), worker=name))
+        index.apply(record(1, 1, removed(blocks[:w], 1), worker=name))
+    index.apply(record(2, 1, stored([HIGH + 5], 1, SWA_128)))  # a second copy for w0
+    return index
+
+
+@pytest.mark.parametrize("workers", [8, 70])  # 70 slots overflow a 64-bit msgpack int
+def test_snapshot_round_trips_the_whole_state_compactly(workers: int) -> None:
+    index = fleet(workers, 1000)
+    data = index.snapshot()
+    restored = KVIndex.restore(data)
+    assert restored.snapshot() == data
+    assert restored.workers() == index.workers()
+    assert restored.counters == index.counters
+    prompt: list[ExternalBlockHash] = [HIGH + i for i in range(20)]
+    assert restored.score(prompt, 321) == index.score(prompt, 321)
+    # Seqs came along: a replayed record is still a duplicate after restore.
+    assert restored.apply(record(1, 1, removed([HIGH], 1))) is ApplyOutcome.DUPLICATE
+    # Per distinct (hash, group): a 9-byte hash, then the bitset's header and bytes.
+    per_entry = 9 + 2 + (workers + 7) // 8
+    assert len(data) < 2 * 1000 * per_entry + 200 * workers  # + each worker's catalog and seqs
+    # The duplicate copy survived the round trip: two removals to drop it.
+    restored.apply(record(3, 1, removed([HIGH + 5], 1)))
+    restored.apply(record(4, 1, removed([HIGH + 5], 1)))
+    assert restored.counters.anomalies == 0
+    assert restored.workers()[0].resident[1]["GPU"] == 999

@@ -1,0 +1,146 @@
+"""The index against vLLM itself, on a trace recorded from vLLM's own KVCacheManager.
+
+``tests/data/vllm-trace-swa-small-seed1.jsonl.gz`` (see tests/data/README.md) holds every event
+batch vLLM emitted for groups full attention, sliding window 32 and sliding window 64, and probes:
+the prefix hit vLLM itself found for a prompt right after a given batch. The batches go in as the
+bridge will send them (one worker, epoch 0, one record per batch and group) and every probe's
+prediction must equal vLLM's. The simplifications peers make are measured on the same probes and
+must each get some wrong, or the trace would not be telling the indexes apart.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from test_index_model import ReferenceIndex
+
+from bridge.records import EventRecord
+from consumers.index import KVIndex
+from producer.events import AllBlocksCleared, ExternalBlockHash, KVEvent, KVEventBatch, decode
+
+TRACE = Path(__file__).parent / "data" / "vllm-trace-swa-small-seed1.jsonl.gz"
+WORKER = "vllm-0"
+
+
+class Config(msgspec.Struct, tag_field="kind", tag="config"):
+    groups: list[str]
+
+
+class Batch(msgspec.Struct, tag_field="kind", tag="batch"):
+    seq: int
+    payload_hex: str
+
+
+class Probe(msgspec.Struct, tag_field="kind", tag="probe"):
+    after_seq: int
+    token_ids: list[int]
+    block_hashes: list[ExternalBlockHash]
+    expected_hit_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def trace_lines() -> list[Config | Batch | Probe]:
+    decoder = msgspec.json.Decoder(Config | Batch | Probe)
+    with gzip.open(TRACE, "rb") as lines:
+        return [decoder.decode(line) for line in lines]
+
+
+def records_of(seq: int, batch: KVEventBatch, groups: range) -> list[EventRecord]:
+    """One record per group, as the bridge splits a batch: a clear reaches every group."""
+    by_group: dict[int, list[KVEvent]] = {}
+    for event in batch.events:
+        targets = groups if isinstance(event, AllBlocksCleared) else [event.group_idx or 0]
+        for group in targets:
+            by_group.setdefault(group, []).append(event)
+    return [
+        EventRecord(WORKER, 0, seq, batch.ts, group, events)
+        for group, events in sorted(by_group.items())
+    ]
+
+
+def replay(apply: Callable[[EventRecord], object]) -> Iterator[Probe]:
+    """Feed the trace's batches in order, yielding each probe once its batch is applied."""
+    config, *lines = trace_lines()
+    assert isinstance(config, Config)
+    groups = range(len(config.groups))
+    batch_seqs = [line.seq for line in lines if isinstance(line, Batch)]
+    applied = -1
+    for line in lines:
+        if isinstance(line, Batch):
+            batch = decode(bytes.fromhex(line.payload_hex)).batch
+            for record in records_of(line.seq, batch, groups):
+                apply(record)
+            applied = line.seq
+        elif isinstance(line, Probe):
+            # Exactly the batches up to after_seq are in: none later, none missing.
+            assert applied == max(seq for seq in batch_seqs if seq <= line.after_seq)
+            yield line
+
+
+def test_every_probe_matches_vllm() -> None:
+    index = KVIndex(hash_block_size=16)
+    probes = 0
+    for probe in replay(index.apply):
+        [score] = index.score(probe.block_hashes, probe.num_tokens)
+        assert score.hit_tokens == probe.expected_hit_tokens, probe.after_seq
+        probes += 1
+    counters = index.counters
+    assert probes == 120
+    assert counters.anomalies == 0  # vLLM never removes what it did not store
+    # The trace exercises what the index exists for: SWA copies evicted while the full-attention
+    # copy stays, and duplicate copies of one hash in one group.
+    assert counters.partial_evictions > 0
+    assert counters.duplicate_copies > 0
+
+
+def agreement(predict: Callable[[Probe], int], apply: Callable[[EventRecord], object]) -> float:
+    probes = list(_predictions(predict, apply))
+    return sum(got == probe.expected_hit_tokens for probe, got in probes) / len(probes)
+
+
+def _predictions(
+    predict: Callable[[Probe], int], apply: Callable[[EventRecord], object]
+) -> Iterator[tuple[Probe, int]]:
+    for probe in replay(apply):
+        yield probe, predict(probe)
+
+
+def test_simpler_indexes_get_probes_wrong(capsys: pytest.CaptureFixture[str]) -> None:
+    """Sets, removal-means-gone, full attention only, group-blind: each misses some probes."""
+    counting = KVIndex(hash_block_size=16)
+    sets = ReferenceIndex(16, counting=False)
+    gone = ReferenceIndex(16, counting=False, removal_means_gone=True)
+    full_only = ReferenceIndex(16)
+    rates = {
+        "HMA rule + counts (this index)": agreement(
+            lambda p: counting.score(p.block_hashes, p.num_tokens)[0].hit_tokens, counting.apply
+        ),
+        "HMA rule + sets": agreement(
+            lambda p: sets.hit_tokens(WORKER, p.block_hashes, p.num_tokens), sets.apply
+        ),
+        "removal means gone": agreement(
+            lambda p: gone.hit_tokens(WORKER, p.block_hashes, p.num_tokens), gone.apply
+        ),
+        "full attention only": agreement(
+            lambda p: full_only.hit_tokens(WORKER, p.block_hashes, p.num_tokens, only_groups=[0]),
+            full_only.apply,
+        ),
+    }
+    blind = KVIndex(hash_block_size=16)
+    rates["group-blind"] = agreement(
+        lambda p: blind.score(p.block_hashes, p.num_tokens)[0].group_blind_hit_tokens,
+        blind.apply,
+    )
+    with capsys.disabled():
+        print("\nagreement with vLLM on", TRACE.name)
+        for name, rate in rates.items():
+            print(f"  {name:32s} {rate:6.1%}")
+    assert rates.pop("HMA rule + counts (this index)") == 1.0
+    assert all(rate < 1.0 for rate in rates.values()), rates
