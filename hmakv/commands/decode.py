@@ -7,7 +7,6 @@ the same tolerant decoder the bridge uses, so what you see is what the pipeline 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Iterable
@@ -15,6 +14,7 @@ from collections.abc import Iterable
 import msgspec
 import zmq
 
+from hmakv.argtypes import positive_float, positive_int
 from producer.events import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DecodedBatch,
@@ -85,14 +85,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--count",
-        type=_positive_int,
+        type=positive_int,
         default=os.environ.get("HMAKV_DECODE_COUNT"),
         metavar="N",
         help="with --zmq: stop after N messages (env HMAKV_DECODE_COUNT, default: never)",
     )
     parser.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         default=os.environ.get("HMAKV_DECODE_TIMEOUT"),
         metavar="SECONDS",
         help="with --zmq: stop when no message arrives for this long "
@@ -100,31 +100,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--max-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=os.environ.get("HMAKV_DECODE_MAX_BYTES", str(DEFAULT_MAX_PAYLOAD_BYTES)),
         metavar="BYTES",
         help="refuse payloads larger than this (env HMAKV_DECODE_MAX_BYTES, "
         f"default {DEFAULT_MAX_PAYLOAD_BYTES})",
     )
     parser.set_defaults(func=run)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError(text)
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(text)
-    return value
-
-
-_positive_int.__name__ = "positive integer"  # argparse names the type in its error message
-_positive_float.__name__ = "positive number"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,7 +10,6 @@ never pay for it.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
@@ -21,6 +20,13 @@ from types import FrameType
 
 import zmq
 
+from hmakv.argtypes import (
+    host_port,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from producer.engine.profiles import PROFILES
 from producer.engine.workloads import WORKLOADS
 
@@ -51,48 +57,6 @@ def _env_flag(name: str) -> bool:
     return (_env(name) or "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(text)
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError(text)
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError(text)
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(text)
-    return host, int(port)
-
-
-_positive_float.__name__ = "positive number"  # argparse names the type in its error message
-_non_negative_float.__name__ = "non-negative number"
-_positive_int.__name__ = "positive integer"
-_non_negative_int.__name__ = "non-negative integer"
-_host_port.__name__ = "HOST:PORT"
-
-
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "engine",
@@ -118,7 +82,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--num-blocks",
-        type=_positive_int,
+        type=positive_int,
         default=_env("NUM_BLOCKS"),
         help="override the profile's block pool size (null block included)",
     )
@@ -135,13 +99,13 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--token-budget",
-        type=_positive_int,
+        type=positive_int,
         default=_env("TOKEN_BUDGET", "512"),
         help="tokens per step, vLLM's max_num_batched_tokens (default 512)",
     )
     parser.add_argument(
         "--max-running",
-        type=_positive_int,
+        type=positive_int,
         default=_env("MAX_RUNNING", "64"),
         help="requests per step, vLLM's max_num_seqs (default 64)",
     )
@@ -166,7 +130,7 @@ def _add_publisher_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dp-rank",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=_env("DP_RANK", "0"),
         help="data-parallel rank: offsets tcp ports and stamps batches, as vLLM does (default 0)",
     )
@@ -181,7 +145,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rate",
-        type=_positive_float,
+        type=positive_float,
         default=_env("RATE", "10"),
         help="workload requests per second, Poisson arrivals (default 10)",
     )
@@ -193,20 +157,20 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--duration",
-        type=_positive_float,
+        type=positive_float,
         default=_env("DURATION"),
         help="stop after this many seconds (default: run until SIGINT or SIGTERM)",
     )
     parser.add_argument(
         "--api",
-        type=_host_port,
+        type=host_port,
         default=_env("API"),
         metavar="HOST:PORT",
         help="serve the HTTP API (requests, lookup, status) here, e.g. 127.0.0.1:8300",
     )
     parser.add_argument(
         "--status-interval",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=_env("STATUS_INTERVAL", "5"),
         metavar="SECONDS",
         help="seconds between status lines on stderr, 0 for none (default 5)",

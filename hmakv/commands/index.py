@@ -20,6 +20,7 @@ from consumers.api import ApiLimits, HashingDefaults
 from consumers.follower import MODES, FollowerConfig
 from consumers.index import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_TIER_WEIGHTS
 from consumers.service import DEFAULT_HOST, DEFAULT_PORT, IndexService, ServiceConfig
+from hmakv.argtypes import host_port, non_negative_float, non_negative_int, positive_int
 from producer.hashing import HASH_FUNCTIONS
 
 log = logging.getLogger(__name__)
@@ -52,34 +53,6 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(_ENV_PREFIX + name, default)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError(text)
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError(text)
-    return value
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(text)
-    return host.strip("[]"), int(port)
-
-
 def _tier_weight(text: str) -> tuple[str, float]:
     medium, sep, weight = text.partition("=")
     value = float(weight)
@@ -94,10 +67,6 @@ def _snapshot_target(text: str) -> str:
     raise ValueError(text)
 
 
-_positive_int.__name__ = "positive integer"  # argparse names the type in its error message
-_non_negative_int.__name__ = "non-negative integer"
-_non_negative_float.__name__ = "non-negative number"
-_host_port.__name__ = "HOST:PORT"
 _tier_weight.__name__ = "MEDIUM=WEIGHT"
 _snapshot_target.__name__ = "kafka, file:PATH or none"
 
@@ -150,7 +119,7 @@ def _add_kafka_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ready-max-lag",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=_env("READY_MAX_LAG", "1000"),
         help="/readyz answers 200 once caught up with the log ends seen at start, or once at "
         "most this many records are left (default 1000)",
@@ -166,7 +135,7 @@ def _add_snapshot_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--snapshot-interval",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=_env("SNAPSHOT_INTERVAL", "60"),
         metavar="SECONDS",
         help="seconds between snapshots; 0: only at exit (default 60)",
@@ -177,7 +146,7 @@ def _add_api_options(parser: argparse.ArgumentParser) -> None:
     limits = ApiLimits()
     parser.add_argument(
         "--listen",
-        type=_host_port,
+        type=host_port,
         default=_env("LISTEN", f"{DEFAULT_HOST}:{DEFAULT_PORT}"),
         help=f"HTTP address for the API and /metrics (env HMAKV_INDEX_LISTEN, default "
         f"{DEFAULT_HOST}:{DEFAULT_PORT})",
@@ -196,7 +165,7 @@ def _add_api_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--block-size",
-        type=_positive_int,
+        type=positive_int,
         default=_env("BLOCK_SIZE", str(DEFAULT_HASH_BLOCK_SIZE)),
         help=f"tokens per hashed block: the engines' smallest block size (default "
         f"{DEFAULT_HASH_BLOCK_SIZE})",
@@ -217,7 +186,7 @@ def _add_api_options(parser: argparse.ArgumentParser) -> None:
     ):
         parser.add_argument(
             f"--{option}",
-            type=_positive_int,
+            type=positive_int,
             default=_env(option.upper().replace("-", "_"), str(value)),
             help=f"most {what} (default {value})",
         )

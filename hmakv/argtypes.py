@@ -1,0 +1,52 @@
+"""Argument types shared by the ``hmakv`` subcommands.
+
+argparse turns a ``ValueError`` from a type into "invalid <type name> value", so each type's
+``__name__`` is the phrase a user should read there.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(text)
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(text)
+    return value
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, with an IPv6 host in brackets (``[::1]:8181``)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(text)
+    return host.strip("[]"), int(port)
+
+
+positive_int.__name__ = "positive integer"
+non_negative_int.__name__ = "non-negative integer"
+positive_float.__name__ = "positive number"
+non_negative_float.__name__ = "non-negative number"
+host_port.__name__ = "HOST:PORT"
