@@ -285,3 +285,12 @@ def test_cli_fetch_prints_the_cached_jars_dir() -> None:
     assert fetched.returncode == 0, fetched.stderr
     libs = Path(fetched.stdout.strip())
     assert (libs / f"kafka_2.13-{kafka_version()}.jar").is_file()
+
+
+def test_cluster_ids_never_look_like_an_option() -> None:
+    """About 1 in 64 base64 ids starts with '-', which Kafka's storage tool reads as a flag."""
+    from hmakv.kafka.broker import _new_cluster_id
+
+    ids = [_new_cluster_id() for _ in range(2000)]
+    assert all(len(cluster_id) == 22 and not cluster_id.startswith("-") for cluster_id in ids)
+    assert len(set(ids)) == len(ids)

@@ -277,8 +277,15 @@ def _format_storage(jvm: list[str], server_properties: Path) -> None:
 
 
 def _new_cluster_id() -> str:
-    """Kafka's cluster id format: a UUID's 16 bytes, URL-safe base64 without padding."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """Kafka's cluster id format: a UUID's 16 bytes, URL-safe base64 without padding.
+
+    Like Kafka's own ``Uuid.randomUuid()``, never one starting with ``-``: the storage tool's
+    argument parser would take it for an option.
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 class TansuBroker(LocalBroker):

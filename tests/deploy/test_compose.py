@@ -44,13 +44,6 @@ COMPOSE_SCHEMA = REPO.parent / "shared" / "schemas" / "compose-spec.json"
 DOCKERIGNORE = REPO / ".dockerignore"
 PACKAGES = ("producer", "bridge", "consumers", "hmakv")
 
-# Subcommands compose runs that hmakv.cli does not have yet, each with the HMAKV_* variables
-# compose configures it with: the interface compose assumes. While a subcommand is missing, its
-# service may use only these variables; once it exists, the real parser and its --help are
-# checked instead and its entry here no longer matters (delete it then).
-EXPECTED_SUBCOMMANDS: dict[str, frozenset[str]] = {
-    "bridge": frozenset({"HMAKV_KAFKA_BOOTSTRAP", "HMAKV_BRIDGE_ENGINES", "HMAKV_BRIDGE_LISTEN"}),
-}
 # Subcommands that serve Prometheus /metrics, scraped as job "hmakv-<subcommand>".
 METRICS_SUBCOMMANDS = ("bridge", "index")
 # What compose's health check asks each long-running subcommand (GET, 200 = healthy).
@@ -271,15 +264,12 @@ def test_named_volumes_are_declared_and_used() -> None:
 # --- the hmakv command each service runs ---
 
 
-def test_every_hmakv_service_runs_a_known_or_expected_subcommand() -> None:
+def test_every_hmakv_service_runs_a_known_subcommand() -> None:
     known = set(subparsers(build_parser()))
     assert {"engine", "bridge", "index"} <= {subcommand_of(name) for name in HMAKV_SERVICES}
     for name in HMAKV_SERVICES:
         subcommand = subcommand_of(name)
-        assert subcommand in known | set(EXPECTED_SUBCOMMANDS), (
-            f"service {name} runs `hmakv {subcommand}`, which hmakv.cli does not have and "
-            "EXPECTED_SUBCOMMANDS does not expect"
-        )
+        assert subcommand in known, f"service {name} runs `hmakv {subcommand}`, which hmakv lacks"
 
 
 class _RecordingEnviron(MutableMapping[str, str]):
@@ -338,20 +328,15 @@ def test_hmakv_service_environment_is_what_the_cli_reads(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The real parser accepts the service's command in the service's environment, and reads
-    every HMAKV_* variable the service sets (or names it in --help, for one read later). For a
-    subcommand not written yet: only the variables EXPECTED_SUBCOMMANDS lists."""
+    every HMAKV_* variable the service sets (or names it in --help, for one read later)."""
     service = SERVICES[name]
     settings = {key for key in service_env(service) if key.startswith("HMAKV_")}
     parser = build_parser()
     subcommand = subcommand_of(name)
-    existing = subparsers(parser)
     documented = set(_ENV_NAME.findall(parser.format_help()))
-    if subcommand in existing:
-        documented |= set(_ENV_NAME.findall(existing[subcommand].format_help()))
-        _, read = parse_service_command(service, monkeypatch)
-        understood = documented | read
-    else:
-        understood = documented | EXPECTED_SUBCOMMANDS[subcommand]
+    documented |= set(_ENV_NAME.findall(subparsers(parser)[subcommand].format_help()))
+    _, read = parse_service_command(service, monkeypatch)
+    understood = documented | read
     unknown = sorted(settings - understood)
     assert unknown == [], f"{name} sets variables `hmakv {subcommand}` ignores: {unknown}"
 

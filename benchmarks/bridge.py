@@ -1,0 +1,588 @@
+"""Bridge benchmark: N engines (publisher processes) -> ``hmakv bridge`` -> Apache Kafka, acks=all.
+
+Every engine publishes typical step batches (8 events: 6 stores of 4 blocks, 2 removals, in two
+cache groups) through ``producer.publisher.ZmqEventPublisher``; the bridge runs as its own process
+(``hmakv bridge``, as deployed) so that its CPU time and memory are its own. In the same run, two
+ceilings bound what the bridge could reach on this machine:
+
+* ``SUB + decode``: one process with a SUB socket per engine that only receives and decodes
+  (``producer.events.decode``), draining each socket per wake-up as the bridge does (the
+  ``awaited`` row does the same with one ``await`` per message, as asyncio code usually does:
+  what draining is worth);
+* ``send_batch``: aiokafka ``create_batch``/``send_batch`` of pre-encoded event records
+  (two per batch, as the bridge writes them), acks=all, idempotent, several chunks in flight.
+
+Bridge runs: ``fixed`` publishes at a fixed total rate (10,000 batches/s, scaled down to half
+the lower ceiling when this machine cannot reach it, which the table says, and a lower rate
+given by ``--lower-rate``), ``max`` publishes as fast as the engines can. All of it shares this
+machine's cores: engines, broker, bridge and reader, and whatever else runs (the load average
+is printed with the table). Added latency is the broker's append time (the events topic is made
+with ``message.timestamp.type=LogAppendTime``) minus the batch's engine timestamp. Loss is
+checked by reading the whole events topic back: every (worker, group, seq) must be there.
+
+    python benchmarks/bridge.py [--engines 16] [--kafka HOST:PORT] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.synchronize import Event
+from pathlib import Path
+
+import zmq
+from aiokafka.partitioner import DefaultPartitioner
+
+# Run as a script, this file's folder comes first on sys.path, where its own name would shadow
+# the bridge package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from bridge import records  # noqa: E402
+from bridge.fanout import fan_out  # noqa: E402
+from bridge.kafka_client import (  # noqa: E402
+    TopicSpec,
+    create_consumer,
+    ensure_topics,
+    start_producer,
+)
+from bridge.records import Topics  # noqa: E402
+from hmakv.kafka import ApacheKafkaBroker, unique_topic  # noqa: E402
+from producer.events import BlockRemoved, BlockStored, KVEventBatch, decode  # noqa: E402
+from producer.publisher import ZmqEventPublisher  # noqa: E402
+
+DEFAULT_JSON = Path(__file__).parent / "results" / "bridge.json"
+TARGET_RATE = 10_000  # batches/s, all engines together, for the latency target
+TARGETS = {"throughput_vs_ceiling": 0.5, "p99_ms_at_fixed_rate": 25.0}
+PARTITIONS = 6
+GAPS_DETECTED = "hmakv_bridge_gaps_detected_total"
+# The engines are stand-ins sharing this machine's cores with the bridge and Kafka: their idle
+# publisher threads look for work every 5 ms instead of every 1 ms (16 threads polling each
+# millisecond cost half a core here). It adds up to 5 ms to the measured latency.
+ENGINE_FLUSH_MS = 5
+APPEND_TIME = "LogAppendTime"  # record timestamps set by the broker: the end of added latency
+GROUPS = ((0, "full_attention", None), (1, "sliding_window", 128))
+
+
+def step_batch(step: int, engine: int) -> KVEventBatch:
+    """A typical step: 6 stores of 4 blocks x 16 tokens (3 per group), 2 removals."""
+    events: list[BlockStored | BlockRemoved] = []
+    for i in range(6):
+        group, kind, window = GROUPS[i % 2]
+        base = (engine << 40) + step * 100 + i * 4
+        events.append(
+            BlockStored(
+                [(base + j) * 0x9E3779B97F4A7C15 % 2**64 for j in range(4)],
+                None,
+                list(range(64)),
+                16,
+                None,
+                "GPU",
+                None,
+                group_idx=group,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+            )
+        )
+    for group, _, _ in GROUPS:
+        events.append(BlockRemoved([(engine << 40) + step], "GPU", group_idx=group))
+    return KVEventBatch(time.time(), list(events), 0)
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports: all probes stay bound until every port is known."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [int(probe.getsockname()[1]) for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+# --- engines -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    index: int
+    port: int
+    replay_port: int
+
+
+def engine_main(spec: EngineSpec, count: int, rate: float, go: Event, stop: Event) -> None:
+    """One engine: publish ``count`` steps at ``rate`` per second (0: flat out), then keep the
+    replay ring up until told to stop, since the bridge may still be catching up from it."""
+    publisher = ZmqEventPublisher(
+        0,
+        f"tcp://*:{spec.port}",  # a wildcard binds, as vLLM's default endpoint does
+        f"tcp://127.0.0.1:{spec.replay_port}",
+        buffer_steps=count + 1,
+        max_queue_size=count + 1,
+        flush_interval_ms=ENGINE_FLUSH_MS,
+    )
+    go.wait()
+    started = time.monotonic()
+    for step in range(1, count + 1):
+        if rate:
+            delay = started + step / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        publisher.publish(step_batch(step, spec.index))
+    stop.wait()
+    publisher.shutdown()
+
+
+@contextmanager
+def engines(count: int, steps: int, rate: float) -> Iterator[tuple[list[EngineSpec], Event]]:
+    """Engine processes, waiting for the returned event to start publishing."""
+    ctx = mp.get_context("spawn")
+    go, stop = ctx.Event(), ctx.Event()
+    ports = free_ports(2 * count)
+    specs = [EngineSpec(i, ports[2 * i], ports[2 * i + 1]) for i in range(count)]
+    processes = [
+        ctx.Process(target=engine_main, args=(spec, steps, rate, go, stop), daemon=True)
+        for spec in specs
+    ]
+    for process in processes:
+        process.start()
+    try:
+        yield specs, go
+    finally:
+        stop.set()
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+
+
+# --- ceiling (a): receive and decode only --------------------------------------------------------
+
+
+def sub_ceiling_main(ports: list[int], expected: int, ready: Event, result: mp.Queue) -> None:  # type: ignore[type-arg]
+    """Receive and decode only, draining each ready socket as the bridge does."""
+    with zmq.Context() as ctx:
+        sockets = []
+        poller = zmq.Poller()
+        for port in ports:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.RCVHWM, 100_000)
+            sub.connect(f"tcp://127.0.0.1:{port}")
+            sub.subscribe(b"")
+            poller.register(sub, zmq.POLLIN)
+            sockets.append(sub)
+        time.sleep(1.0)  # let every subscription reach its engine
+        ready.set()
+        received = events = 0
+        first = last = 0.0
+        while received < expected:
+            ready_sockets = poller.poll(2000)
+            if not ready_sockets:
+                break
+            for sub, _ in ready_sockets:
+                try:
+                    while True:
+                        frames = sub.recv_multipart(zmq.NOBLOCK)
+                        batch = decode(frames[2]).batch
+                        received += 1
+                        events += len(batch.events)
+                        last = time.monotonic()
+                        first = first or last
+                except zmq.Again:
+                    pass
+        for sub in sockets:
+            sub.close(linger=0)
+    result.put({"received": received, "events": events, "seconds": max(last - first, 1e-9)})
+
+
+def awaited_sub_main(ports: list[int], expected: int, ready: Event, result: mp.Queue) -> None:  # type: ignore[type-arg]
+    """The same, the way asyncio code is usually written: one await per message and socket."""
+    import zmq.asyncio
+
+    async def follow(sub: zmq.asyncio.Socket, counts: list[float]) -> None:
+        while counts[0] < expected:
+            frames = await sub.recv_multipart()
+            batch = decode(frames[2]).batch
+            counts[0] += 1
+            counts[1] += len(batch.events)
+            counts[3] = time.monotonic()
+            counts[2] = counts[2] or counts[3]
+
+    async def run() -> dict[str, float]:
+        ctx = zmq.asyncio.Context()
+        subs = []
+        for port in ports:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.RCVHWM, 100_000)
+            sub.connect(f"tcp://127.0.0.1:{port}")
+            sub.subscribe(b"")
+            subs.append(sub)
+        await asyncio.sleep(1.0)
+        ready.set()
+        counts = [0.0, 0.0, 0.0, 0.0]  # received, events, first, last
+        tasks = [asyncio.create_task(follow(sub, counts)) for sub in subs]
+        await asyncio.wait(tasks, timeout=60)
+        for task in tasks:
+            task.cancel()
+        ctx.destroy(linger=0)
+        seconds = max(counts[3] - counts[2], 1e-9)
+        return {"received": counts[0], "events": counts[1], "seconds": seconds}
+
+    result.put(asyncio.run(run()))
+
+
+def sub_ceiling(engine_count: int, steps: int, target: Callable[..., None]) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    with engines(engine_count, steps, 0) as (specs, go):
+        ready, result = ctx.Event(), ctx.Queue()
+        expected = engine_count * steps
+        process = ctx.Process(
+            target=target, args=([s.port for s in specs], expected, ready, result)
+        )
+        process.start()
+        ready.wait(30)
+        go.set()
+        outcome: dict[str, float] = result.get(timeout=300)
+        process.join()
+    outcome["batches_per_s"] = outcome["received"] / outcome["seconds"]
+    outcome["events_per_s"] = outcome["events"] / outcome["seconds"]
+    outcome["lost"] = expected - outcome["received"]
+    return outcome
+
+
+# --- ceiling (b): aiokafka send_batch of pre-encoded records --------------------------------------
+
+
+async def kafka_ceiling(bootstrap: str, batches: int) -> dict[str, float]:
+    topic = unique_topic("bench-ceiling")
+    await ensure_topics(bootstrap, [TopicSpec(topic, PARTITIONS)])
+    encoded = [
+        (records.event_key(r.worker, r.group_idx), records.encode(r), r.headers())
+        for step in range(batches)
+        for r in fan_out(f"w{step % 16}", 0, step, step_batch(step, step % 16), (0, 1))
+    ]
+    started_producer = await start_producer(
+        bootstrap, client_id="bench-ceiling", linger_ms=0, max_batch_size=512 * 1024
+    )
+    producer = started_producer.producer
+    partitions = sorted(await producer.partitions_for(topic))
+    partitioner = DefaultPartitioner()
+    started = time.monotonic()
+    in_flight: list[asyncio.Future[object]] = []
+    for offset in range(0, len(encoded), 4096):
+        by_partition: dict[int, list[tuple[bytes, bytes, list[tuple[str, bytes]]]]] = defaultdict(
+            list
+        )
+        for key, value, headers in encoded[offset : offset + 4096]:
+            by_partition[partitioner(key, partitions, partitions)].append((key, value, headers))
+        for partition, chunk in by_partition.items():
+            builder = producer.create_batch()
+            for key, value, headers in chunk:
+                if builder.append(timestamp=None, key=key, value=value, headers=headers) is None:
+                    builder.close()
+                    in_flight.append(await producer.send_batch(builder, topic, partition=partition))
+                    builder = producer.create_batch()
+                    builder.append(timestamp=None, key=key, value=value, headers=headers)
+            builder.close()
+            in_flight.append(await producer.send_batch(builder, topic, partition=partition))
+    await asyncio.gather(*in_flight)
+    seconds = time.monotonic() - started
+    await producer.stop()
+    return {
+        "batches_per_s": batches / seconds,
+        "records_per_s": len(encoded) / seconds,
+        "events_per_s": batches * 8 / seconds,
+        "seconds": seconds,
+        "idempotent": float(started_producer.idempotent),
+    }
+
+
+# --- the bridge ----------------------------------------------------------------------------------
+
+
+class BridgeProcess:
+    def __init__(self, bootstrap: str, prefix: str, specs: list[EngineSpec]) -> None:
+        self.listen = free_ports(1)[0]
+        command = [sys.executable, "-m", "hmakv.cli", "--log-level", "WARNING", "bridge"]
+        command += ["--kafka", bootstrap, "--topic-prefix", prefix, "--partitions", str(PARTITIONS)]
+        command += ["--listen", f"127.0.0.1:{self.listen}"]
+        for spec in specs:
+            flag = f"e{spec.index}=tcp://127.0.0.1:{spec.port},replay=tcp://127.0.0.1:"
+            command += ["--engine", f"{flag}{spec.replay_port}"]
+        self.process = subprocess.Popen(command)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.listen}{path}"
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url("/readyz"), timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("the bridge never became ready")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=5) as response:
+            text = response.read().decode()
+        samples: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def peak_rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(60)
+
+
+def bridge_run(bootstrap: str, engine_count: int, steps: int, rate: float) -> dict[str, float]:
+    prefix = unique_topic("bench")
+    topics = Topics(prefix)
+    asyncio.run(
+        ensure_topics(
+            bootstrap,
+            [
+                TopicSpec(
+                    topics.events, PARTITIONS, config={"message.timestamp.type": "LogAppendTime"}
+                )
+            ],
+        )
+    )
+    with engines(engine_count, steps, rate) as (specs, go):
+        bridge = BridgeProcess(bootstrap, prefix, specs)
+        try:
+            bridge.wait_ready()
+            time.sleep(0.5)  # the catch-up replays of a fresh start are done
+            cpu_before = bridge.cpu_seconds()
+            published_at = time.time()
+            go.set()
+            wait_caught_up(bridge, engine_count, steps)
+            cpu = bridge.cpu_seconds() - cpu_before
+            samples = bridge.metrics()
+            rss = bridge.peak_rss_mib()
+        finally:
+            bridge.stop()
+    check = asyncio.run(read_back(bootstrap, topics, engine_count, steps))
+    seconds = check["last_append"] - published_at
+    wakeups = samples.get("hmakv_bridge_messages_per_wakeup_count", 0.0)
+    return {
+        "batches_per_s": engine_count * steps / seconds,
+        "events_per_s": engine_count * steps * 8 / seconds,
+        "p50_ms": check["p50_ms"],
+        "p99_ms": check["p99_ms"],
+        "lost": check["lost"],
+        "duplicates": check["duplicates"],
+        "bridge_cpu_percent": 100 * cpu / seconds,
+        "bridge_cpu_us_per_batch": 1e6 * cpu / (engine_count * steps),
+        "bridge_peak_rss_mib": rss,
+        "messages_per_wakeup": samples.get("hmakv_bridge_messages_per_wakeup_sum", 0.0)
+        / max(wakeups, 1.0),
+        "gaps_detected": sum(
+            v for k, v in samples.items() if k.startswith("hmakv_bridge_gaps_detected_total")
+        ),
+        "seconds": seconds,
+    }
+
+
+def wait_caught_up(bridge: BridgeProcess, engine_count: int, steps: int) -> None:
+    """Until Kafka acknowledged every engine's last step (the bridge forwards in order)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        samples = bridge.metrics()
+        done = [
+            samples.get(f'hmakv_bridge_worker_last_seq{{worker="e{i}"}}', -1) >= steps
+            for i in range(engine_count)
+        ]
+        if all(done):
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the bridge did not catch up within 300 s")
+
+
+async def read_back(
+    bootstrap: str, topics: Topics, engine_count: int, steps: int
+) -> dict[str, float]:
+    """Every record of the events topic: what is missing, what is twice, the added latency."""
+    consumer = create_consumer(bootstrap, topics.events, client_id="bench-read-back")
+    await consumer.start()
+    seen: dict[tuple[str, int], set[int]] = defaultdict(set)
+    duplicates = 0
+    latencies: list[float] = []
+    last_append = 0.0
+    expected = engine_count * (2 * steps + 1)  # seq 0 is the engine's clear, in group 0 only
+    total = 0
+    try:
+        while total - duplicates < expected:
+            fetched = await consumer.getmany(timeout_ms=2000)
+            if not fetched:
+                break
+            for batch in fetched.values():
+                for message in batch:
+                    record = records.decode_event_record(message.value)
+                    total += 1
+                    if record.seq in seen[(record.worker, record.group_idx)]:
+                        duplicates += 1
+                    seen[(record.worker, record.group_idx)].add(record.seq)
+                    append = message.timestamp / 1000
+                    last_append = max(last_append, append)
+                    if record.seq > 0:
+                        latencies.append(append - record.ts)
+    finally:
+        await consumer.stop()
+    lost = sum(
+        len(set(range(1, steps + 1)) - seen[(f"e{i}", group)])
+        for i in range(engine_count)
+        for group in (0, 1)
+    )
+    quantiles = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
+    return {
+        "lost": float(lost),
+        "duplicates": float(duplicates),
+        "p50_ms": 1000 * quantiles[49],
+        "p99_ms": 1000 * quantiles[98],
+        "last_append": last_append,
+    }
+
+
+# --- report --------------------------------------------------------------------------------------
+
+COLUMNS = (  # (header, key, width, format)
+    ("batches/s", "batches_per_s", 11, ",.0f"),
+    ("events/s", "events_per_s", 11, ",.0f"),
+    ("p50 ms", "p50_ms", 9, ".1f"),
+    ("p99 ms", "p99_ms", 9, ".1f"),
+    ("CPU %", "bridge_cpu_percent", 8, ".0f"),
+    ("us/batch", "bridge_cpu_us_per_batch", 10, ".0f"),
+    ("RSS MiB", "bridge_peak_rss_mib", 9, ".0f"),
+    ("msg/wake", "messages_per_wakeup", 10, ".1f"),
+    ("lost", "lost", 6, ".0f"),
+)
+
+
+def table(rows: dict[str, dict[str, float]]) -> str:
+    header = f"{'run':<24}" + "".join(f"{title:>{width}}" for title, _, width, _ in COLUMNS)
+    lines = [header, "-" * len(header)]
+    for name, row in rows.items():
+        cells = [
+            f"{row[key]:>{width}{fmt}}" if key in row else f"{'-':>{width}}"
+            for _, key, width, fmt in COLUMNS
+        ]
+        lines.append(f"{name:<24}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def targets(
+    rows: dict[str, dict[str, float]], fixed: str, rate: int, ceiling: float
+) -> dict[str, bool]:
+    ratio = rows["bridge: max rate"]["batches_per_s"] / ceiling
+    p99 = rows[fixed]["p99_ms"]
+    bridge_rows = [row for name, row in rows.items() if name.startswith("bridge")]
+    return {
+        f"max-rate throughput {ratio:.2f} x min(ceilings) >= 0.5": ratio
+        >= TARGETS["throughput_vs_ceiling"],
+        f"p99 {p99:.1f} ms at {rate:,}/s < 25 ms": p99 < TARGETS["p99_ms_at_fixed_rate"],
+        "zero loss": all(row["lost"] == 0 for row in bridge_rows),
+    }
+
+
+@contextmanager
+def kafka(bootstrap: str | None) -> Iterator[str]:
+    if bootstrap:
+        yield bootstrap
+        return
+    with ApacheKafkaBroker() as broker:
+        yield broker.bootstrap
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=2000, help="steps per engine and run")
+    parser.add_argument("--kafka", help="an Apache Kafka broker to use (default: start one)")
+    parser.add_argument(
+        "--lower-rate",
+        type=int,
+        default=4000,
+        help="a second fixed rate, batches/s (0: none): what latency is at a load this machine "
+        "sustains next to its engines and broker",
+    )
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args(argv)
+    total = args.engines * args.steps
+    load_before = os.getloadavg()
+    rows: dict[str, dict[str, float]] = {}
+    with kafka(args.kafka) as bootstrap:
+        rows["ceiling: SUB + decode"] = sub_ceiling(args.engines, args.steps, sub_ceiling_main)
+        rows["ceiling: send_batch"] = asyncio.run(kafka_ceiling(bootstrap, total))
+        ceiling = min(row["batches_per_s"] for row in rows.values())
+        rows["SUB + decode, awaited"] = sub_ceiling(args.engines, args.steps, awaited_sub_main)
+        # The latency target's rate, unless this machine's ceilings are too low for it.
+        rate = TARGET_RATE if ceiling >= 2 * TARGET_RATE else int(ceiling / 2 // 100 * 100)
+        fixed = f"bridge: fixed {rate:,}/s"
+        rows[fixed] = bridge_run(bootstrap, args.engines, args.steps, rate / args.engines)
+        if args.lower_rate:
+            lower = args.lower_rate / args.engines
+            rows[f"bridge: fixed {args.lower_rate:,}/s"] = bridge_run(
+                bootstrap, args.engines, args.steps, lower
+            )
+        rows["bridge: max rate"] = bridge_run(bootstrap, args.engines, args.steps, 0)
+    print(table(rows))
+    load = f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
+    print(f"{os.cpu_count()} CPUs, load average {load}")
+    if rate != TARGET_RATE:
+        print(f"fixed rate scaled down from {TARGET_RATE:,}/s to half the lower ceiling")
+    met = targets(rows, fixed, rate, ceiling)
+    print("targets:", "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in met.items()))
+    report = {
+        "benchmark": "bridge",
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_average_before": load_before[0],
+        },
+        "engines": args.engines,
+        "steps_per_engine": args.steps,
+        "partitions": PARTITIONS,
+        "fixed_rate": rate,
+        "ceiling_batches_per_s": ceiling,
+        "rows": rows,
+        "targets": met,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The bridge's view of each worker, as the compacted workers topic shows it.
+
+Sources say what they know (health, groups, DP rank, endpoint); the sink says how far Kafka has
+acknowledged each worker's log. A ``WorkerState`` is written when either changes, the resume point
+at most once per ``interval`` (a restarted bridge replays a little more, which consumers skip),
+health, epoch and groups at once: they change rarely and matter to whoever reads the topic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bridge.records import Health, WorkerState
+from producer.events import GroupSpec
+
+
+@dataclass
+class WorkerView:
+    health: Health = "live"
+    groups: dict[int, GroupSpec] = field(default_factory=dict)
+    data_parallel_rank: int | None = None
+    endpoint: str | None = None
+    epoch: int = 0
+    last_seq: int = -1
+    last_ts: float = 0.0
+    changed: bool = True  # something readers must see soon
+    progressed: bool = False  # only the resume point moved
+    written_at: float = float("-inf")
+
+
+class WorkerBoard:
+    def __init__(self, interval: float = 1.0) -> None:
+        self._interval = interval
+        self.views: dict[str, WorkerView] = {}
+
+    def add(self, worker: str, view: WorkerView) -> None:
+        self.views[worker] = view
+
+    def remove(self, worker: str) -> None:
+        self.views.pop(worker, None)
+
+    def set_health(self, worker: str, health: Health) -> None:
+        view = self.views.get(worker)
+        if view is not None and view.health != health:
+            view.health = health
+            view.changed = True
+
+    def set_groups(self, worker: str, groups: dict[int, GroupSpec]) -> None:
+        view = self.views.get(worker)
+        if view is not None:
+            view.groups = groups
+            view.changed = True
+
+    def acknowledged(
+        self, worker: str, epoch: int, seq: int, ts: float, *, engine_batch: bool
+    ) -> None:
+        """Kafka holds the worker's records up to this position."""
+        view = self.views.get(worker)
+        if view is None:
+            return
+        if epoch != view.epoch:
+            view.epoch, view.last_seq, view.last_ts = epoch, -1, 0.0
+            view.changed = True
+        if engine_batch and seq > view.last_seq:
+            view.last_seq, view.last_ts = seq, ts
+            view.progressed = True
+
+    def due(self, now: float, *, flush: bool = False) -> list[WorkerState]:
+        """The states to write now (all pending ones when flushing), marked as written."""
+        states = []
+        for worker, view in self.views.items():
+            due_by_time = view.progressed and now - view.written_at >= self._interval
+            if view.changed or due_by_time or (flush and view.progressed):
+                states.append(self._state(worker, view, now))
+        return states
+
+    @staticmethod
+    def _state(worker: str, view: WorkerView, now: float) -> WorkerState:
+        view.changed = view.progressed = False
+        view.written_at = now
+        return WorkerState(
+            worker=worker,
+            epoch=view.epoch,
+            last_seq=view.last_seq,
+            health=view.health,
+            groups=dict(view.groups),
+            ts=view.last_ts,
+            data_parallel_rank=view.data_parallel_rank,
+            endpoint=view.endpoint,
+        )
+
+    @property
+    def dirty(self) -> bool:
+        return any(view.changed for view in self.views.values())

@@ -1,0 +1,55 @@
+"""Logs an operator can use: one line per incident with its cause, and JSON when asked.
+
+A misbehaving engine can send thousands of bad frames a second; ``RateLimitedLog`` writes the
+first of each kind at once and then at most one line per interval, saying how many it held back,
+so the log shows every kind of trouble without drowning in one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+
+_RESERVED = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+
+class RateLimitedLog:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._interval = interval
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, kind: str, message: str, *args: object, **fields: object) -> None:
+        now = self._clock()
+        if now - self._last.get(kind, float("-inf")) < self._interval:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        held = self._held.pop(kind, 0)
+        suffix = f" ({held} more like it in the last {self._interval:g} s)" if held else ""
+        self._logger.warning(message + suffix, *args, extra={"kind": kind, **fields})
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and every ``extra`` field."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update((key, value) for key, value in record.__dict__.items() if key not in _RESERVED)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)

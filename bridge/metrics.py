@@ -1,0 +1,189 @@
+"""The bridge's Prometheus metrics, in their own registry (so tests and embedders never clash).
+
+Names are ``hmakv_bridge_*`` in base units; the only labels are the worker (bounded by the
+configuration, or by ``--max-workers`` for workers named by their topic), the group-free reason
+or kind enums below, and the health state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from bridge.records import HEALTH_STATES, Health
+
+_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_REPLAY_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
+_WAKEUP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class BridgeMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        worker = ("worker",)
+        self.batches_received = Counter(
+            "hmakv_bridge_batches_received", "Live batches received, per worker", worker, registry=r
+        )
+        self.events_received = Counter(
+            "hmakv_bridge_events_received", "Events in live batches received", worker, registry=r
+        )
+        self.unknown_events = Counter(
+            "hmakv_bridge_unknown_events",
+            "Events of types this bridge does not know, skipped (their batch is dead-lettered too)",
+            worker,
+            registry=r,
+        )
+        self.records_produced = Counter(
+            "hmakv_bridge_records_produced",
+            "Records acknowledged by Kafka, per topic kind (events, workers, deadletter)",
+            ("topic",),
+            registry=r,
+        )
+        self.gaps_detected = Counter(
+            "hmakv_bridge_gaps_detected", "Gaps in a worker's sequence", worker, registry=r
+        )
+        self.gaps_replayed = Counter(
+            "hmakv_bridge_gaps_replayed",
+            "Gaps filled, by replay or snapshot",
+            ("worker", "by"),
+            registry=r,
+        )
+        self.gaps_unrecoverable = Counter(
+            "hmakv_bridge_gaps_unrecoverable",
+            "Gaps lost for good (the worker is cleared and degraded)",
+            worker,
+            registry=r,
+        )
+        self.batches_lost = Counter(
+            "hmakv_bridge_batches_lost", "Seqs in unrecoverable gaps", worker, registry=r
+        )
+        self.replays = Counter(
+            "hmakv_bridge_replays",
+            "Replay and snapshot requests, by kind and outcome (ended, failed, cancelled)",
+            ("kind", "outcome"),
+            registry=r,
+        )
+        self.replay_duration = Histogram(
+            "hmakv_bridge_replay_duration_seconds",
+            "From request to end marker, per kind",
+            ("kind",),
+            buckets=_REPLAY_BUCKETS,
+            registry=r,
+        )
+        self.epochs_started = Counter(
+            "hmakv_bridge_epochs_started",
+            "New epochs: engine restarts, or records Kafka refused",
+            worker,
+            registry=r,
+        )
+        self.duplicates = Counter(
+            "hmakv_bridge_duplicate_batches",
+            "Batches already forwarded (replay overlap), dropped",
+            worker,
+            registry=r,
+        )
+        self.batches_not_kept = Counter(
+            "hmakv_bridge_batches_not_kept",
+            "Live batches the bridge could not hold (left to the engine's replay ring)",
+            ("worker", "reason"),
+            registry=r,
+        )
+        self.frames_rejected = Counter(
+            "hmakv_bridge_frames_rejected",
+            "Messages that could not be used, by reason (each is dead-lettered)",
+            ("reason",),
+            registry=r,
+        )
+        self.dead_letters_dropped = Counter(
+            "hmakv_bridge_dead_letters_dropped",
+            "Dead letters the full queue could not keep",
+            registry=r,
+        )
+        self.delivery_failures = Counter(
+            "hmakv_bridge_delivery_failures",
+            "Batches Kafka refused for good (non-retriable errors)",
+            worker,
+            registry=r,
+        )
+        self.send_retries = Counter(
+            "hmakv_bridge_kafka_send_retries",
+            "Record batches sent again after a retriable Kafka error",
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "hmakv_bridge_queue_depth", "Batches queued for Kafka, not yet sent", registry=r
+        )
+        self.send_latency = Histogram(
+            "hmakv_bridge_kafka_send_latency_seconds",
+            "From handing a chunk of records to the producer to Kafka's acknowledgement",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.end_to_end_age = Histogram(
+            "hmakv_bridge_end_to_end_age_seconds",
+            "From the engine's batch timestamp to Kafka's acknowledgement",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.worker_epoch = Gauge(
+            "hmakv_bridge_worker_epoch", "The worker's current epoch", worker, registry=r
+        )
+        self.worker_last_seq = Gauge(
+            "hmakv_bridge_worker_last_seq",
+            "The worker's last seq acknowledged by Kafka",
+            worker,
+            registry=r,
+        )
+        self.worker_health = Gauge(
+            "hmakv_bridge_worker_health",
+            "1 for the worker's current health state, 0 for the others",
+            ("worker", "health"),
+            registry=r,
+        )
+        self.sources = Gauge("hmakv_bridge_sources", "ZMQ sources configured", registry=r)
+        self.sources_connected = Gauge(
+            "hmakv_bridge_sources_connected", "ZMQ sources connected (or bound)", registry=r
+        )
+        self.kafka_reachable = Gauge(
+            "hmakv_bridge_kafka_reachable", "1 while Kafka answers", registry=r
+        )
+        self.messages_per_wakeup = Histogram(
+            "hmakv_bridge_messages_per_wakeup",
+            "Messages taken from a socket per wake-up of its receive loop",
+            buckets=_WAKEUP_BUCKETS,
+            registry=r,
+        )
+
+    def set_health(self, worker: str, health: Health) -> None:
+        for state in HEALTH_STATES:
+            self.worker_health.labels(worker, state).set(1 if state == health else 0)
+
+    def forget_worker(self, worker: str) -> None:
+        """Drop a removed worker's series, so the label set stays that of the configuration."""
+        for metric in (
+            self.batches_received,
+            self.events_received,
+            self.unknown_events,
+            self.gaps_detected,
+            self.gaps_unrecoverable,
+            self.batches_lost,
+            self.epochs_started,
+            self.duplicates,
+            self.delivery_failures,
+            self.worker_epoch,
+            self.worker_last_seq,
+        ):
+            _remove(metric, worker)
+        for by in ("replay", "snapshot"):
+            _remove(self.gaps_replayed, worker, by)
+        for reason in ("queue_full", "buffer_full"):
+            _remove(self.batches_not_kept, worker, reason)
+        for state in HEALTH_STATES:
+            _remove(self.worker_health, worker, state)
+
+
+def _remove(metric: Counter | Gauge, *labels: str) -> None:
+    with contextlib.suppress(KeyError):  # never observed: nothing to remove
+        metric.remove(*labels)

@@ -1,0 +1,50 @@
+"""Waiting for a plain ZMQ socket in asyncio, for one registration per socket, not per wait.
+
+``zmq.asyncio`` builds a poller, futures and a reader registration for every ``poll()``; with
+many engines at moderate rates the bridge wakes once or twice per batch, and that machinery
+cost more than the batch. Here the socket's FD stays registered with the event loop for the
+socket's life, and a wait is an ``asyncio.Event``.
+
+ZMQ's FD is edge-triggered and only says "look at ZMQ_EVENTS": a wait therefore checks
+``EVENTS`` before sleeping, so a message that arrived before the wait is never slept through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+
+
+class Readable:
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self._sock = sock
+        self._signal = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._fd: int = sock.FD
+        self._loop.add_reader(self._fd, self._signal.set)
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Until the socket has a message to read; False if ``timeout`` seconds pass first."""
+        deadline = None if timeout is None else self._loop.time() + timeout
+        while not self._readable_now():
+            self._signal.clear()
+            if deadline is None:
+                await self._signal.wait()  # no wait_for: it would make a task per wait
+                continue
+            remaining = deadline - self._loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._signal.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
+
+    def _readable_now(self) -> bool:
+        events: int = self._sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
+        return bool(events & zmq.POLLIN)
+
+    def close(self) -> None:
+        """Unregister; the caller closes the socket afterwards."""
+        self._loop.remove_reader(self._fd)

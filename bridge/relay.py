@@ -1,0 +1,90 @@
+"""One worker's path from tracker steps to Kafka records, without I/O.
+
+The tracker decides what to forward; the relay turns each decision into encoded records (after
+letting the group catalog learn from the batch, so that a clear reaches groups first seen in the
+same batch) and tells its shell what else to do: fetches to start or cancel, and what happened,
+for metrics and logs. A batch whose record would exceed Kafka's size limit cannot be written:
+the relay asks the tracker to count it as lost, which clears and degrades the worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bridge import records
+from bridge.catalog import GroupCatalog
+from bridge.fanout import clear_records, fan_out
+from bridge.outbox import KafkaRecord, Outgoing
+from bridge.records import EventRecord, Topics
+from bridge.tracking import CancelFetch, Clear, Fetch, Forward, SequenceTracker, Step
+
+
+@dataclass
+class Handled:
+    outgoing: list[Outgoing] = field(default_factory=list)
+    fetches: list[Fetch] = field(default_factory=list)
+    cancelled: list[int] = field(default_factory=list)
+    events: list[Step] = field(default_factory=list)  # every step, for metrics and logs
+    catalog_changed: bool = False
+
+
+class WorkerRelay:
+    def __init__(
+        self,
+        worker: str,
+        tracker: SequenceTracker,
+        catalog: GroupCatalog,
+        *,
+        topics: Topics,
+        data_parallel_rank: int | None,
+        max_record_bytes: int,
+    ) -> None:
+        self.worker = worker
+        self.tracker = tracker
+        self.catalog = catalog
+        self._topic = topics.events
+        self._rank = data_parallel_rank
+        self._max_record_bytes = max_record_bytes
+        self._keys: dict[int, bytes] = {}  # by group: the key never changes
+
+    def handle(self, steps: list[Step], now: float) -> Handled:
+        """Everything the shell must do for these steps, in order."""
+        handled = Handled()
+        pending = list(reversed(steps))
+        while pending:
+            step = pending.pop()
+            handled.events.append(step)
+            if type(step) is Forward:
+                more = self._forward(step, handled)
+                pending.extend(reversed(more))
+            elif isinstance(step, Clear):
+                handled.outgoing.append(self._clear(step, now))
+            elif isinstance(step, Fetch):
+                handled.fetches.append(step)
+            elif isinstance(step, CancelFetch):
+                handled.cancelled.append(step.fetch_id)
+        return handled
+
+    def _forward(self, step: Forward, handled: Handled) -> list[Step]:
+        """Queue the batch's records; the tracker's answer instead if they are too large."""
+        handled.catalog_changed |= self.catalog.learn(step.batch.events)
+        event_records = fan_out(self.worker, step.epoch, step.seq, step.batch, self.catalog.groups)
+        encoded = [self._encode(record) for record in event_records]
+        if any(len(record.value) > self._max_record_bytes for record in encoded):
+            return self.tracker.on_unwritable(step.seq, self._max_record_bytes)
+        batch = step.batch
+        outgoing = Outgoing(self.worker, step.epoch, step.seq, batch.ts, encoded, True)
+        handled.outgoing.append(outgoing)
+        return []
+
+    def _clear(self, step: Clear, now: float) -> Outgoing:
+        groups = self.catalog.groups
+        cleared = clear_records(self.worker, step.epoch, step.seq, now, groups, self._rank)
+        encoded = [self._encode(record) for record in cleared]
+        return Outgoing(self.worker, step.epoch, step.seq, now, encoded, False)
+
+    def _encode(self, record: EventRecord) -> KafkaRecord:
+        key = self._keys.get(record.group_idx)
+        if key is None:
+            key = self._keys[record.group_idx] = records.event_key(self.worker, record.group_idx)
+        return KafkaRecord(self._topic, key, records.encode(record), record.headers())

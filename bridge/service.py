@@ -1,0 +1,403 @@
+"""The bridge service: topics, resume, sources, sink, health server, reload and shutdown.
+
+Start-up order matters: Kafka first (topics, producer), then the workers topic read to its end,
+so that every worker's tracker starts from where the previous bridge left it, and only then the
+sources, whose first act for a resumed worker is to replay from that point. The health server
+runs from the very start, so an orchestrator sees "alive, not ready" while Kafka is unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import zmq
+from aiohttp import web
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from bridge.board import WorkerBoard
+from bridge.catalog import GroupCatalog
+from bridge.config import ConfigError, EngineConfig, WorkerAddress
+from bridge.frames import llmd_pod
+from bridge.health import Readiness, health_app, serve
+from bridge.kafka_client import (
+    KafkaSecurity,
+    StartedProducer,
+    TopicSpec,
+    ensure_topics,
+    start_producer,
+)
+from bridge.metrics import BridgeMetrics
+from bridge.records import DEFAULT_TOPIC_PREFIX, Topics, WorkerState, worker_id
+from bridge.relay import WorkerRelay
+from bridge.resume import read_worker_states
+from bridge.sink import KafkaSink
+from bridge.source import (
+    BoundSource,
+    ConnectedSource,
+    DeadLetterOffice,
+    SourceSettings,
+    SourceState,
+    SubscriberDeps,
+    WorkerChannel,
+)
+from bridge.tracking import DEFAULT_MAX_BUFFERED, ResumePoint, SequenceTracker
+from producer.events import DEFAULT_MAX_PAYLOAD_BYTES
+
+log = logging.getLogger(__name__)
+
+_PROBE_INTERVAL_S = 2.0
+_RECORD_MARGIN_BYTES = 64 * 1024  # a record batch's own overhead around its largest record
+
+
+@dataclass(frozen=True)
+class BridgeSettings:
+    kafka: str
+    topic_prefix: str = DEFAULT_TOPIC_PREFIX
+    partitions: int = 6
+    replication: int = 1
+    compression: str | None = None
+    bind_sub: str | None = None
+    listen: tuple[str, int] | None = None
+    max_replays: int = 4
+    replay_timeout: float = 5.0
+    queue_size: int = 10_000
+    max_buffered: int = DEFAULT_MAX_BUFFERED
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    max_record_bytes: int = 8 * 1024 * 1024
+    max_workers: int = 1024
+    state_interval: float = 1.0
+    # Chunks sent before the oldest is acknowledged (idempotent producer). aiokafka keeps one
+    # request per broker in flight and one batch per partition waiting: a deeper pipeline
+    # only makes smaller chunks.
+    in_flight: int = 2
+    shutdown_timeout: float = 10.0
+    kafka_retry: float = 2.0
+    client_id: str = "hmakv-bridge"
+    security: KafkaSecurity | None = field(default=None, repr=False)
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(self.topic_prefix)
+
+    def topic_specs(self) -> list[TopicSpec]:
+        topics, parts, rf = self.topics, self.partitions, self.replication
+        max_message = str(self.max_record_bytes + _RECORD_MARGIN_BYTES)
+        return [
+            TopicSpec(topics.events, parts, rf, {"max.message.bytes": max_message}),
+            TopicSpec(topics.workers, parts, rf, {"cleanup.policy": "compact"}),
+            TopicSpec(topics.deadletter, parts, rf),
+        ]
+
+
+class BridgeService:
+    def __init__(
+        self,
+        settings: BridgeSettings,
+        engines: list[EngineConfig],
+        metrics: BridgeMetrics | None = None,
+    ) -> None:
+        check_topology(settings, engines)
+        self.settings = settings
+        self.metrics = metrics or BridgeMetrics()
+        self._engines: dict[str, EngineConfig] = {engine.name: engine for engine in engines}
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._board = WorkerBoard(settings.state_interval)
+        self._source_settings = SourceSettings(
+            max_payload_bytes=settings.max_payload_bytes, replay_timeout=settings.replay_timeout
+        )
+        self._replays = asyncio.Semaphore(settings.max_replays)
+        self._channels: dict[str, WorkerChannel] = {}
+        self._sources: dict[str, tuple[ConnectedSource, asyncio.Task[None]]] = {}
+        self._bound: tuple[BoundSource, asyncio.Task[None]] | None = None
+        self._by_topic: dict[bytes, EngineConfig] = {}
+        self._topic_workers: set[str] = set()  # workers named by an llm-d style topic
+        self._producer: AIOKafkaProducer | None = None
+        self._sink: KafkaSink | None = None
+        self._office: DeadLetterOffice | None = None
+        self._runner: web.AppRunner | None = None
+        self._probe: asyncio.Task[None] | None = None
+        self._kafka_reachable = False
+        self._started = False
+
+    # --- life cycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.settings.listen is not None:
+            app = health_app(self.readiness, self.metrics.registry)
+            self._runner = await serve(app, *self.settings.listen)
+        started = await self._connect_kafka()
+        self._producer = started.producer
+        self._probe = asyncio.create_task(self._probe_kafka())
+        resumed = await self._read_resume_points(self._producer)
+        self._sink = KafkaSink(
+            self._producer,
+            self.settings.topics,
+            self._board,
+            self.metrics,
+            max_queued=self.settings.queue_size,
+            # Without idempotence a failed chunk must be re-sent before anything later.
+            in_flight=self.settings.in_flight if started.idempotent else 1,
+            state_interval=self.settings.state_interval,
+        )
+        self._sink.start()
+        self._office = DeadLetterOffice(
+            self._sink, self.metrics, self._source_settings.dead_letter_max_bytes
+        )
+        for engine in self._engines.values():
+            self._add_engine(engine, resumed)
+        if self.settings.bind_sub is not None:
+            bound = BoundSource(self.settings.bind_sub, self._route, self._deps())
+            self._bound = (bound, asyncio.create_task(bound.run()))
+        self._count_sources()
+        self._started = True
+        log.info(
+            "bridge started: %d engines, %d workers resumed, Kafka %s",
+            len(self._engines),
+            len(resumed),
+            self.settings.kafka,
+        )
+
+    async def stop(self) -> None:
+        """Stop receiving, deliver what is queued (within the shutdown timeout), close."""
+        tasks = [task for _, task in self._sources.values()]
+        if self._bound is not None:
+            tasks.append(self._bound[1])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(channel.close() for channel in self._channels.values()))
+        if self._sink is not None:
+            left = await self._sink.close(self.settings.shutdown_timeout)
+            if left:
+                log.error(
+                    "%d queued batches not delivered at shutdown; the engines' replay rings "
+                    "hold them for the next start",
+                    left,
+                )
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+        if self._producer is not None:
+            await self._producer.stop()
+        self._ctx.destroy(linger=0)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def reload(self, engines: list[EngineConfig]) -> None:
+        """Follow a new engine list: removed engines stop, new ones start, changed ones restart
+        from where they were (their trackers verify that by replay)."""
+        check_topology(self.settings, engines)
+        wanted = {engine.name: engine for engine in engines}
+        changed = [n for n, e in self._engines.items() if wanted.get(n) != e]
+        positions = {
+            worker: position
+            for name in changed
+            for worker in self._worker_names(name)
+            if (position := self._position(worker)) is not None
+        }
+        for name in changed:
+            await self._remove_engine(self._engines.pop(name))
+        for name, engine in wanted.items():
+            if name not in self._engines:
+                self._engines[name] = engine
+                self._add_engine(engine, positions)
+        self._count_sources()
+        log.info("engines reloaded: %s", ", ".join(sorted(wanted)) or "none")
+
+    def readiness(self) -> Readiness:
+        sources = {name: source.state.value for name, (source, _) in self._sources.items()}
+        if self._bound is not None:
+            sources[self._bound[0].name] = self._bound[0].state.value
+        return Readiness(self._started, self._kafka_reachable, sources)
+
+    # --- Kafka -----------------------------------------------------------------------------------
+
+    async def _connect_kafka(self) -> StartedProducer:
+        """Topics and producer, retried until Kafka answers: the bridge is useless without it."""
+        settings = self.settings
+        while True:
+            try:
+                await ensure_topics(
+                    settings.kafka,
+                    settings.topic_specs(),
+                    client_id=f"{settings.client_id}-admin",
+                    security=settings.security,
+                )
+                started = await start_producer(
+                    settings.kafka,
+                    client_id=settings.client_id,
+                    compression=settings.compression,
+                    security=settings.security,
+                    linger_ms=0,
+                    max_batch_size=512 * 1024,
+                )
+            except (KafkaError, OSError) as error:
+                log.warning(
+                    "Kafka at %s not usable yet (%r); retrying in %.0f s",
+                    settings.kafka,
+                    error,
+                    settings.kafka_retry,
+                )
+                await asyncio.sleep(settings.kafka_retry)
+                continue
+            self._set_kafka_reachable(True)
+            return started
+
+    async def _read_resume_points(self, producer: AIOKafkaProducer) -> dict[str, WorkerState]:
+        topic = self.settings.topics.workers
+        partitions = await producer.partitions_for(topic)
+        return await read_worker_states(
+            self.settings.kafka, topic, partitions, security=self.settings.security
+        )
+
+    async def _probe_kafka(self) -> None:
+        while True:
+            await asyncio.sleep(_PROBE_INTERVAL_S)
+            self._set_kafka_reachable(await self._kafka_answers())
+
+    async def _kafka_answers(self) -> bool:
+        if self._sink is not None and time.monotonic() - self._sink.last_delivery < 1.0:
+            return True
+        assert self._producer is not None
+        try:
+            await asyncio.wait_for(self._producer.client.fetch_all_metadata(), _PROBE_INTERVAL_S)
+        except (KafkaError, OSError, TimeoutError):
+            return False
+        return True
+
+    def _set_kafka_reachable(self, reachable: bool) -> None:
+        if reachable != self._kafka_reachable:
+            (log.info if reachable else log.warning)("Kafka reachable: %s", reachable)
+        self._kafka_reachable = reachable
+        self.metrics.kafka_reachable.set(1 if reachable else 0)
+
+    # --- engines, workers, sources ---------------------------------------------------------------
+
+    def _add_engine(self, engine: EngineConfig, resumed: Mapping[str, WorkerState]) -> None:
+        if engine.endpoint is None:
+            self._by_topic[engine.topic.encode()] = engine
+        for address in engine.workers():
+            channel = self._new_channel(address, engine, resumed.get(address.worker))
+            if engine.endpoint is None:  # its messages come through the bound socket
+                channel.start()
+                channel.on_connected()
+                continue
+            source = ConnectedSource(channel, engine.topic, self._deps())
+            self._sources[address.worker] = (source, asyncio.create_task(source.run()))
+
+    async def _remove_engine(self, engine: EngineConfig) -> None:
+        self._by_topic.pop(engine.topic.encode(), None)
+        for address in engine.workers():
+            entry = self._sources.pop(address.worker, None)
+            if entry is not None:
+                entry[1].cancel()
+                await asyncio.gather(entry[1], return_exceptions=True)
+            channel = self._channels.pop(address.worker, None)
+            if channel is not None:
+                await channel.close()
+                channel.forget()
+
+    def _new_channel(
+        self, address: WorkerAddress, engine: EngineConfig | None, state: WorkerState | None
+    ) -> WorkerChannel:
+        assert self._sink is not None and self._office is not None
+        resume = None
+        if state is not None:
+            degraded = state.health == "degraded"
+            resume = ResumePoint(state.epoch, state.last_seq, state.ts, degraded)
+        tracker = SequenceTracker(
+            can_fetch=address.replay is not None,
+            resume=resume,
+            max_buffered=self.settings.max_buffered,
+        )
+        catalog = GroupCatalog(
+            learned=state.groups if state else None,
+            configured=engine.groups if engine else None,
+        )
+        relay = WorkerRelay(
+            address.worker,
+            tracker,
+            catalog,
+            topics=self.settings.topics,
+            data_parallel_rank=address.data_parallel_rank,
+            max_record_bytes=self.settings.max_record_bytes,
+        )
+        channel = WorkerChannel(
+            relay,
+            address,
+            ctx=self._ctx,
+            sink=self._sink,
+            board=self._board,
+            metrics=self.metrics,
+            replays=self._replays,
+            office=self._office,
+            settings=self._source_settings,
+            resumed_ts=state.ts if state else 0.0,
+        )
+        self._channels[address.worker] = channel
+        return channel
+
+    def _route(self, topic: bytes, rank: int | None) -> WorkerChannel | str:
+        """The channel of a message on the bound socket, or why it has none."""
+        engine = self._by_topic.get(topic)
+        if engine is not None:
+            address = engine.worker_for_rank(rank)
+            if address is None:
+                return f"engine {engine.name!r} has no DP rank {rank} (see its dp_ranks)"
+            return self._channels[address.worker]
+        pod = llmd_pod(topic)
+        if pod is None:
+            return f"topic {topic!r} is no configured engine's and not kv@<pod-id>@<model>"
+        worker = pod if rank in (None, 0) else worker_id(pod, rank)
+        channel = self._channels.get(worker)
+        if channel is not None and worker in self._topic_workers:
+            return channel
+        if channel is not None:
+            return f"worker {worker!r} is a configured engine with another topic"
+        if len(self._topic_workers) >= self.settings.max_workers:
+            return f"more than {self.settings.max_workers} workers named by topic (--max-workers)"
+        self._topic_workers.add(worker)
+        channel = self._new_channel(WorkerAddress(worker, rank, None, None), None, None)
+        channel.start()
+        log.info("worker %r joined through topic %r", worker, topic)
+        return channel
+
+    def _position(self, worker: str) -> WorkerState | None:
+        """A live worker's position as a resume point, for an engine that restarts on reload."""
+        view = self._board.views.get(worker)
+        if view is None:
+            return None
+        return WorkerState(
+            worker, view.epoch, view.last_seq, view.health, view.groups, view.last_ts
+        )
+
+    def _worker_names(self, engine_name: str) -> list[str]:
+        return [address.worker for address in self._engines[engine_name].workers()]
+
+    def _deps(self) -> SubscriberDeps:
+        assert self._office is not None
+        return SubscriberDeps(
+            self._ctx, self._office, self.metrics, self._source_settings, self._count_sources
+        )
+
+    def _count_sources(self) -> None:
+        states = [source.state for source, _ in self._sources.values()]
+        if self._bound is not None:
+            states.append(self._bound[0].state)
+        self.metrics.sources.set(len(states))
+        self.metrics.sources_connected.set(states.count(SourceState.CONNECTED))
+
+
+def check_topology(settings: BridgeSettings, engines: list[EngineConfig]) -> None:
+    """Every engine must be reachable: by its endpoint, or by its topic on the bound socket."""
+    for engine in engines:
+        if engine.endpoint is None and settings.bind_sub is None:
+            raise ConfigError(f"engine {engine.name!r} has no endpoint and there is no --bind-sub")
+    topics = [engine.topic for engine in engines if engine.endpoint is None]
+    if len(topics) != len(set(topics)):
+        raise ConfigError("engines reached through --bind-sub need distinct topics")

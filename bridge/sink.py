@@ -1,0 +1,365 @@
+"""The Kafka side of the bridge: one bounded queue, two loops, one idempotent producer.
+
+Sources put ``Outgoing`` items (one forwarded batch or clear each) into the queue. The submit
+loop takes everything queued, up to ``max_chunk_records``, as one chunk, builds one record batch
+per partition (``create_batch``/``send_batch``: no per-record future or lock, and aiokafka's
+default partitioner, so keys land where any client would put them) and hands it to the
+producer; the settle loop waits for each chunk's acknowledgement, in order, and only then moves
+the workers' resume points. Up to ``in_flight`` chunks are unacknowledged at once.
+
+Every key's order holds through failures. An idempotent producer (Apache Kafka) retries
+retriable errors itself, in order, so several chunks may be in flight, and an error that still
+comes back is final. Without idempotence (Tansu) one chunk is in flight, and a chunk that fails
+with a retriable error is sent again before anything later is handed over. While Kafka is away
+the queue fills; ``has_room`` then tells the sources to leave live batches in the engines'
+replay rings. A final refusal (a record too large for the broker, authorization) drops the item
+and tells its worker, whose tracker starts a new epoch, since later records of the worker may
+already be in Kafka.
+
+The queue bound applies to live intake; what a replay or a clear produces is always accepted,
+which the number of concurrent replays bounds in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.producer.message_accumulator import BatchBuilder
+
+from bridge import records
+from bridge.board import WorkerBoard
+from bridge.metrics import BridgeMetrics
+from bridge.outbox import KafkaRecord, Outgoing
+from bridge.records import DeadLetter, Topics, WorkerState
+
+log = logging.getLogger(__name__)
+
+RefusalHandler = Callable[[int, int], None]  # (epoch, seq) of the refused item
+Target = tuple[str, int]  # (topic, partition)
+_RETRY_LOG_INTERVAL_S = 10.0
+
+
+@dataclass
+class _Chunk:
+    """Records handed to the producer together, and accounted for together, in order."""
+
+    items: list[Outgoing]
+    records: list[KafkaRecord]
+    targets: dict[Target, list[int]]  # record indexes by partition
+    started: float
+    deliveries: list[tuple[Target, asyncio.Future[object]]] = field(default_factory=list)
+    refused: dict[Target, BaseException] = field(default_factory=dict)
+
+
+class KafkaSink:
+    def __init__(
+        self,
+        producer: AIOKafkaProducer,
+        topics: Topics,
+        board: WorkerBoard,
+        metrics: BridgeMetrics,
+        *,
+        max_queued: int,
+        in_flight: int,
+        max_chunk_records: int = 4096,
+        retry_backoff: float = 0.5,
+        state_interval: float = 1.0,
+    ) -> None:
+        self._producer = producer
+        self._topics = topics
+        self._board = board
+        self._metrics = metrics
+        self._max_queued = max_queued
+        self._in_flight = in_flight
+        self._max_chunk_records = max_chunk_records
+        self._retry_backoff = retry_backoff
+        self._state_interval = state_interval
+        self._queue: deque[Outgoing] = deque()
+        self._work = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._slots = asyncio.Semaphore(in_flight)
+        self._flights: asyncio.Queue[_Chunk] = asyncio.Queue()
+        self._unsettled = 0  # chunks handed to the producer, not yet accounted for
+        self._partitions: dict[tuple[str, bytes], int] = {}
+        self._partitioner = DefaultPartitioner()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_retry_log = float("-inf")
+        self.refusal_handlers: dict[str, RefusalHandler] = {}
+        metrics.queue_depth.set_function(lambda: len(self._queue))  # read when scraped
+        self.last_delivery: float = float("-inf")  # monotonic time of the last acknowledgement
+
+    # --- intake ----------------------------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        return len(self._queue) < self._max_queued
+
+    def put(self, item: Outgoing) -> None:
+        self._queue.append(item)
+        self._idle.clear()
+        self._work.set()
+
+    def put_dead_letter(self, letter: DeadLetter) -> bool:
+        """Queue a dead letter if there is room; False (and counted) when there is none."""
+        if not self.has_room():
+            self._metrics.dead_letters_dropped.inc()
+            return False
+        record = KafkaRecord(
+            self._topics.deadletter,
+            letter.source.encode(),
+            records.encode(letter),
+            letter.headers(),
+        )
+        self.put(Outgoing(None, 0, -1, letter.ts, [record], False))
+        return True
+
+    async def wait_for_room(self) -> None:
+        while not self.has_room():
+            self._room.clear()
+            await self._room.wait()
+
+    def state_changed(self) -> None:
+        """A worker's health, epoch or groups changed: write its state without waiting."""
+        self._work.set()
+
+    # --- the delivery loops ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._submit_forever(), name="hmakv-bridge-sink-submit"),
+            asyncio.create_task(self._settle_forever(), name="hmakv-bridge-sink-settle"),
+        ]
+
+    async def close(self, timeout: float) -> int:
+        """Deliver what is queued within ``timeout`` seconds, write every worker's state, stop.
+
+        Returns the number of queued items left undelivered (logged by the caller).
+        """
+        with contextlib.suppress(TimeoutError):  # what is left is counted below
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        left = len(self._queue)
+        if not left and self._unsettled == 0:
+            await asyncio.wait_for(self._write_states_now(), timeout)
+        return left
+
+    async def _submit_forever(self) -> None:
+        """Hand chunks to the producer in queue order, at most ``in_flight`` unacknowledged."""
+        while True:
+            with contextlib.suppress(TimeoutError):  # no traffic: write what states are due
+                await asyncio.wait_for(self._work.wait(), self._state_interval)
+            # A slot first, then the chunk: what arrives while all slots wait for Kafka joins
+            # this chunk instead of making small ones.
+            await self._slots.acquire()
+            self._work.clear()
+            chunk = await self._prepare(self._take(), flush_states=False)
+            if chunk is None:
+                self._slots.release()
+            else:
+                self._unsettled += 1
+                await self._submit(chunk, list(chunk.targets))
+                self._flights.put_nowait(chunk)
+            if self._queue or self._board.dirty:
+                self._work.set()
+            self._note_idle()
+
+    async def _settle_forever(self) -> None:
+        """Wait for each chunk's acknowledgement, in submission order, and account for it."""
+        while True:
+            chunk = await self._flights.get()
+            refused = await self._complete(chunk)
+            self._settle(chunk, refused)
+            self._unsettled -= 1
+            self._slots.release()
+            self._note_idle()
+
+    async def _write_states_now(self) -> None:
+        chunk = await self._prepare([], flush_states=True)
+        if chunk is not None:
+            await self._submit(chunk, list(chunk.targets))
+            self._settle(chunk, await self._complete(chunk))
+
+    def _note_idle(self) -> None:
+        if not self._queue and self._unsettled == 0 and not self._board.dirty:
+            self._idle.set()
+
+    def _take(self) -> list[Outgoing]:
+        items: list[Outgoing] = []
+        count = 0
+        while self._queue and (not items or count < self._max_chunk_records):
+            item = self._queue.popleft()
+            items.append(item)
+            count += len(item.records)
+        if self.has_room():
+            self._room.set()
+        return items
+
+    async def _prepare(self, items: list[Outgoing], *, flush_states: bool) -> _Chunk | None:
+        """The items' records and the worker states due, grouped by partition; None if none."""
+        states = self._board.due(time.time(), flush=flush_states)
+        chunk_records = [record for item in items for record in item.records]
+        chunk_records += [self._state_record(state) for state in states]
+        if not chunk_records and not items:
+            return None
+        targets: dict[Target, list[int]] = defaultdict(list)
+        for index, record in enumerate(chunk_records):
+            partition = await self._partition(record.topic, record.key)
+            targets[(record.topic, partition)].append(index)
+        return _Chunk(items, chunk_records, dict(targets), time.monotonic())
+
+    def _state_record(self, state: WorkerState) -> KafkaRecord:
+        return KafkaRecord(self._topics.workers, state.key(), records.encode(state), [])
+
+    # --- sending ---------------------------------------------------------------------------------
+
+    async def _submit(self, chunk: _Chunk, targets: list[Target]) -> None:
+        """Hand each partition's records to the producer; a full producer buffer is waited out
+        (nothing later is submitted meanwhile), a refusal is noted in the chunk."""
+        for target in targets:
+            topic, partition = target
+            for builder in self._builders([chunk.records[i] for i in chunk.targets[target]]):
+                while True:
+                    try:
+                        future = await self._producer.send_batch(
+                            builder, topic, partition=partition
+                        )
+                    except KafkaError as error:
+                        if not _retriable(error):
+                            chunk.refused[target] = error
+                            break
+                        self._note_retry(target, error)
+                        await asyncio.sleep(self._retry_backoff)
+                        continue
+                    chunk.deliveries.append((target, future))
+                    break
+
+    async def _complete(self, chunk: _Chunk) -> set[int]:
+        """Wait until Kafka has every record of the chunk or refused it; the refused indexes.
+
+        With one chunk in flight, a retriable failure is sent again before anything later. With
+        several (an idempotent producer, which retries those itself, in order), a failure that
+        still comes back is final.
+        """
+        while True:
+            outcomes = await asyncio.gather(
+                *(future for _, future in chunk.deliveries), return_exceptions=True
+            )
+            failed: dict[Target, BaseException] = {}
+            for (target, _), outcome in zip(chunk.deliveries, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    failed.setdefault(target, outcome)
+            retry = [t for t, e in failed.items() if _retriable(e) and self._in_flight == 1]
+            for target, error in failed.items():
+                if target not in retry:
+                    chunk.refused[target] = error
+            if not retry:
+                return {i for target in chunk.refused for i in chunk.targets[target]}
+            self._note_retry(retry[0], failed[retry[0]])
+            await asyncio.sleep(self._retry_backoff)
+            chunk.deliveries = [(t, f) for t, f in chunk.deliveries if t not in retry]
+            await self._submit(chunk, retry)
+
+    def _builders(self, batch_records: list[KafkaRecord]) -> list[BatchBuilder]:
+        builders = []
+        builder = self._producer.create_batch()
+        for record in batch_records:
+            appended = builder.append(
+                timestamp=None, key=record.key, value=record.value, headers=record.headers
+            )
+            if appended is None:  # full: the first record always fits a fresh builder
+                builders.append(builder)
+                builder = self._producer.create_batch()
+                builder.append(
+                    timestamp=None, key=record.key, value=record.value, headers=record.headers
+                )
+        builders.append(builder)
+        for each in builders:
+            each.close()  # nothing else may join it, and a closed batch does not linger
+        return builders
+
+    async def _partition(self, topic: str, key: bytes) -> int:
+        cached = self._partitions.get((topic, key))
+        if cached is None:
+            partitions = sorted(await self._producer.partitions_for(topic))
+            cached = int(self._partitioner(key, partitions, partitions))
+            self._partitions[(topic, key)] = cached
+        return cached
+
+    def _note_retry(self, target: Target, error: BaseException) -> None:
+        self._metrics.send_retries.inc()
+        now = time.monotonic()
+        if now - self._last_retry_log >= _RETRY_LOG_INTERVAL_S:
+            self._last_retry_log = now
+            log.warning(
+                "Kafka send failed (%r on %s[%d]); retrying every %.1f s, holding %d batches",
+                error,
+                *target,
+                self._retry_backoff,
+                len(self._queue),
+            )
+
+    # --- after the acknowledgement ---------------------------------------------------------------
+
+    def _settle(self, chunk: _Chunk, refused: set[int]) -> None:
+        acknowledged = time.monotonic()
+        self.last_delivery = acknowledged
+        self._metrics.send_latency.observe(acknowledged - chunk.started)
+        for target, error in chunk.refused.items():
+            log.error("Kafka refused records for %s[%d]: %r", *target, error)
+        now = time.time()
+        last_seqs: dict[str, int] = {}
+        index = 0
+        for item in chunk.items:
+            item_indexes = range(index, index + len(item.records))
+            index += len(item.records)
+            if item.worker is None:
+                continue
+            if refused and any(i in refused for i in item_indexes):
+                self._refuse(item)
+                continue
+            self._board.acknowledged(
+                item.worker, item.epoch, item.seq, item.ts, engine_batch=item.engine_batch
+            )
+            if item.engine_batch:
+                self._metrics.end_to_end_age.observe(max(0.0, now - item.ts))
+                last_seqs[item.worker] = item.seq
+        for worker, seq in last_seqs.items():
+            self._metrics.worker_last_seq.labels(worker).set(seq)
+        self._count_produced(chunk.records, refused)
+
+    def _refuse(self, item: Outgoing) -> None:
+        assert item.worker is not None
+        self._metrics.delivery_failures.labels(item.worker).inc()
+        handler = self.refusal_handlers.get(item.worker)
+        if handler is not None:
+            handler(item.epoch, item.seq)
+
+    def _count_produced(self, all_records: list[KafkaRecord], refused: set[int]) -> None:
+        counts: dict[str, int] = defaultdict(int)
+        for index, record in enumerate(all_records):
+            if index not in refused:
+                counts[record.topic] += 1
+        kinds = {
+            self._topics.events: "events",
+            self._topics.workers: "workers",
+            self._topics.deadletter: "deadletter",
+        }
+        for topic, count in counts.items():
+            self._metrics.records_produced.labels(kinds.get(topic, topic)).inc(count)
+
+
+def _retriable(error: BaseException) -> bool:
+    return isinstance(error, KafkaError) and bool(error.retriable)

@@ -1,0 +1,299 @@
+"""``hmakv bridge``: follow engines' KV-cache events over ZMQ and write them to Kafka.
+
+Wiring only: flags and environment into ``BridgeSettings`` and engine configs, signals into the
+service's life cycle (SIGTERM/SIGINT: deliver what is queued and stop; SIGHUP: reload the
+``--engines`` file). Exit codes: 0 after a clean stop, 2 for a configuration that cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from bridge.config import (
+    ConfigError,
+    EngineConfig,
+    check_unique,
+    load_engines_file,
+    parse_engine_flags,
+)
+from bridge.kafka_client import KafkaSecurity
+from bridge.logs import JsonFormatter
+from bridge.records import DEFAULT_TOPIC_PREFIX
+from bridge.service import BridgeService, BridgeSettings, check_topology
+from bridge.tracking import DEFAULT_MAX_BUFFERED
+from hmakv.argtypes import host_port, positive_float, positive_int
+
+log = logging.getLogger("hmakv.bridge")
+
+EXIT_OK = 0
+EXIT_BAD_CONFIG = 2
+COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
+
+_DESCRIPTION = """\
+Follow vLLM-compatible KV-cache event publishers over ZeroMQ and write their batches to Kafka:
+one record per (batch, cache group) on <prefix>.events keyed "<worker>/<group>", each worker's
+epoch, groups, last seq and health on the compacted <prefix>.workers, and every frame that cannot
+be used on <prefix>.deadletter. Gaps are replayed from the engine's replay endpoint; an engine
+restart starts a new epoch opening with a clear; what cannot be recovered clears the worker and
+marks it degraded. A restarted bridge resumes where the workers topic says it stopped.
+
+Engines come from --engine flags, HMAKV_BRIDGE_ENGINE (';'-separated) and --engines FILE (TOML,
+reloaded on SIGHUP). Either the bridge connects to each engine's PUB endpoint, or engines
+connect to --bind-sub and are told apart by topic (configured, or llm-d's kv@<pod-id>@<model>).
+Kafka security: HMAKV_KAFKA_SECURITY_PROTOCOL, HMAKV_KAFKA_SASL_* and HMAKV_KAFKA_SSL_*."""
+
+_EPILOG = """\
+engines file (TOML):
+  [[engines]]
+  name = "engine-a"
+  endpoint = "tcp://10.0.0.5:5557"      # omit when the engine connects to --bind-sub
+  replay = "tcp://10.0.0.5:5560"        # optional: gaps are lost without it
+  topic = "kv-events"                   # the engine's ZMQ topic (default "")
+  dp_ranks = [0, 1]                     # optional: one worker per rank, ports offset by rank
+  groups = { 2 = { kind = "chunked_local_attention", block_size = 16, chunk_size = 8192 } }
+
+endpoints: /healthz (alive), /readyz (Kafka reachable and every source connected or failed),
+/metrics (Prometheus, hmakv_bridge_*), on --listen.
+
+examples:
+  hmakv bridge --kafka 127.0.0.1:9092 --engine engine-a=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5560
+  hmakv bridge --engines engines.toml --listen 0.0.0.0:9400
+  hmakv bridge --bind-sub 'tcp://*:5557' --kafka kafka:9092"""
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "bridge",
+        help="follow engines' KV-cache events (ZMQ) and write them to Kafka",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    env = os.environ.get
+    add = parser.add_argument
+    add(
+        "--engines",
+        type=Path,
+        default=env("HMAKV_BRIDGE_ENGINES"),
+        metavar="FILE",
+        help="TOML file of engines, reloaded on SIGHUP (env HMAKV_BRIDGE_ENGINES)",
+    )
+    add(
+        "--engine",
+        action="append",
+        default=_split(env("HMAKV_BRIDGE_ENGINE")),
+        metavar="NAME=ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N]",
+        help="an engine to connect to; repeatable (env HMAKV_BRIDGE_ENGINE, ';'-separated)",
+    )
+    add(
+        "--bind-sub",
+        default=env("HMAKV_BRIDGE_BIND_SUB"),
+        metavar="ENDPOINT",
+        help="bind a SUB socket engines connect to, e.g. tcp://*:5557 (env HMAKV_BRIDGE_BIND_SUB)",
+    )
+    add(
+        "--kafka",
+        default=env("HMAKV_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
+        metavar="HOST:PORT",
+        help="Kafka bootstrap servers (env HMAKV_KAFKA_BOOTSTRAP, default 127.0.0.1:9092)",
+    )
+    add(
+        "--topic-prefix",
+        default=env("HMAKV_BRIDGE_TOPIC_PREFIX", DEFAULT_TOPIC_PREFIX),
+        help=f"topic name prefix (env HMAKV_BRIDGE_TOPIC_PREFIX, default {DEFAULT_TOPIC_PREFIX})",
+    )
+    add(
+        "--partitions",
+        type=positive_int,
+        default=env("HMAKV_BRIDGE_PARTITIONS", "6"),
+        help="partitions of topics the bridge creates (env HMAKV_BRIDGE_PARTITIONS, default 6)",
+    )
+    add(
+        "--replication",
+        type=positive_int,
+        default=env("HMAKV_BRIDGE_REPLICATION", "1"),
+        help="replication factor of topics it creates (env HMAKV_BRIDGE_REPLICATION, default 1)",
+    )
+    add(
+        "--compression",
+        choices=COMPRESSIONS,
+        default=env("HMAKV_BRIDGE_COMPRESSION", "none"),
+        help="producer compression (env HMAKV_BRIDGE_COMPRESSION, default none)",
+    )
+    add(
+        "--listen",
+        type=host_port,
+        default=env("HMAKV_BRIDGE_LISTEN"),
+        metavar="HOST:PORT",
+        help="serve /healthz, /readyz and /metrics here (env HMAKV_BRIDGE_LISTEN, default off)",
+    )
+    add(
+        "--max-replays",
+        type=positive_int,
+        default=env("HMAKV_BRIDGE_MAX_REPLAYS", "4"),
+        help="replays and snapshots in flight at once (env HMAKV_BRIDGE_MAX_REPLAYS, default 4)",
+    )
+    add(
+        "--replay-timeout",
+        type=positive_float,
+        default=env("HMAKV_BRIDGE_REPLAY_TIMEOUT", "5"),
+        metavar="SECONDS",
+        help="give a replay up after this long without a reply message; its gap is then lost "
+        "(env HMAKV_BRIDGE_REPLAY_TIMEOUT, default 5)",
+    )
+    add(
+        "--queue-size",
+        type=positive_int,
+        default=env("HMAKV_BRIDGE_QUEUE_SIZE", "10000"),
+        metavar="BATCHES",
+        help="batches held for Kafka; beyond it live batches are left to the engines' replay "
+        "rings (env HMAKV_BRIDGE_QUEUE_SIZE, default 10000)",
+    )
+    add(
+        "--max-buffered",
+        type=positive_int,
+        default=env("HMAKV_BRIDGE_MAX_BUFFERED", str(DEFAULT_MAX_BUFFERED)),
+        metavar="BATCHES",
+        help="live batches held per worker during a replay; more wait for the next replay "
+        f"(env HMAKV_BRIDGE_MAX_BUFFERED, default {DEFAULT_MAX_BUFFERED})",
+    )
+    add(
+        "--max-workers",
+        type=positive_int,
+        default=env("HMAKV_BRIDGE_MAX_WORKERS", "1024"),
+        help="workers accepted by topic on --bind-sub (env HMAKV_BRIDGE_MAX_WORKERS, default 1024)",
+    )
+    add(
+        "--max-payload-bytes",
+        type=positive_int,
+        default=env("HMAKV_BRIDGE_MAX_PAYLOAD_BYTES", str(64 * 1024 * 1024)),
+        metavar="BYTES",
+        help="dead-letter larger payloads (env HMAKV_BRIDGE_MAX_PAYLOAD_BYTES, default 64 MiB)",
+    )
+    add(
+        "--max-record-bytes",
+        type=positive_int,
+        default=env("HMAKV_BRIDGE_MAX_RECORD_BYTES", str(8 * 1024 * 1024)),
+        metavar="BYTES",
+        help="largest event record; a batch with a larger one is lost and its worker degraded "
+        "(env HMAKV_BRIDGE_MAX_RECORD_BYTES, default 8 MiB)",
+    )
+    add(
+        "--state-interval",
+        type=positive_float,
+        default=env("HMAKV_BRIDGE_STATE_INTERVAL", "1"),
+        metavar="SECONDS",
+        help="write each worker's resume point at most this often "
+        "(env HMAKV_BRIDGE_STATE_INTERVAL, default 1)",
+    )
+    add(
+        "--shutdown-timeout",
+        type=positive_float,
+        default=env("HMAKV_BRIDGE_SHUTDOWN_TIMEOUT", "10"),
+        metavar="SECONDS",
+        help="on SIGTERM, time to deliver what is queued (env HMAKV_BRIDGE_SHUTDOWN_TIMEOUT)",
+    )
+    add(
+        "--log-format",
+        choices=("text", "json"),
+        default=env("HMAKV_LOG_FORMAT", "text"),
+        help="log lines as text or as JSON objects (env HMAKV_LOG_FORMAT, default text)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = _settings(args)
+        engines = _engines(args)
+        check_topology(settings, engines)
+    except (ConfigError, ValueError) as error:
+        print(f"hmakv bridge: {error}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    if args.log_format == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
+    return asyncio.run(_serve(settings, engines, args))
+
+
+def _settings(args: argparse.Namespace) -> BridgeSettings:
+    return BridgeSettings(
+        kafka=args.kafka,
+        topic_prefix=args.topic_prefix,
+        partitions=args.partitions,
+        replication=args.replication,
+        compression=None if args.compression == "none" else args.compression,
+        bind_sub=args.bind_sub,
+        listen=args.listen,
+        max_replays=args.max_replays,
+        replay_timeout=args.replay_timeout,
+        queue_size=args.queue_size,
+        max_buffered=args.max_buffered,
+        max_payload_bytes=args.max_payload_bytes,
+        max_record_bytes=args.max_record_bytes,
+        max_workers=args.max_workers,
+        state_interval=args.state_interval,
+        shutdown_timeout=args.shutdown_timeout,
+        security=KafkaSecurity.from_env(),
+    )
+
+
+def _engines(args: argparse.Namespace) -> list[EngineConfig]:
+    engines = parse_engine_flags(args.engine)
+    if args.engines is not None:
+        engines += load_engines_file(args.engines)
+    if not engines and args.bind_sub is None:
+        raise ConfigError("no engines: give --engine, --engines or --bind-sub")
+    return check_unique(engines)
+
+
+async def _serve(
+    settings: BridgeSettings, engines: list[EngineConfig], args: argparse.Namespace
+) -> int:
+    service = BridgeService(settings, engines)
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    reloads: set[asyncio.Task[None]] = set()
+    if args.engines is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: _schedule_reload(service, args, reloads))
+    starting = asyncio.create_task(service.start())
+    await asyncio.wait(
+        [starting, asyncio.create_task(stopping.wait())], return_when="FIRST_COMPLETED"
+    )
+    if starting.done():
+        starting.result()
+        await stopping.wait()
+    else:
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+    log.info("stopping: delivering what is queued")
+    await service.stop()
+    return EXIT_OK
+
+
+def _schedule_reload(
+    service: BridgeService, args: argparse.Namespace, running: set[asyncio.Task[None]]
+) -> None:
+    task = asyncio.create_task(_reload(service, args))
+    running.add(task)
+    task.add_done_callback(running.discard)
+
+
+async def _reload(service: BridgeService, args: argparse.Namespace) -> None:
+    try:
+        engines = _engines(args)
+        await service.reload(engines)
+    except ConfigError as error:
+        log.error("SIGHUP: engines not reloaded, keeping the current ones: %s", error)
+
+
+def _split(text: str | None) -> list[str]:
+    return [part for part in (text or "").split(";") if part.strip()]

@@ -1,0 +1,174 @@
+"""``hmakv demo``: the whole pipeline on this machine, checked against the engines as it runs.
+
+Wiring only: flags into a ``DemoConfig``; the run itself is ``hmakv.demo.run``, imported when
+the command runs so that other subcommands never pay for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from hmakv.argtypes import positive_float
+
+EXIT_BAD_USAGE = 2
+
+_ENV_PREFIX = "HMAKV_DEMO_"
+
+_DESCRIPTION = """\
+Start an embedded Kafka broker (or use yours), reference engines with different hybrid
+KV-cache layouts, the bridge and the index, each as its own `hmakv` process on free loopback
+ports; then route prompts with a probe client that asks /v1/score where to go and checks every
+answer against the engine's real prefix hit. Live progress while it runs; at the end a summary
+(zero loss, HMA-aware vs group-blind agreement, event age), optionally as JSON and as a report
+with plots."""
+
+_EPILOG = """\
+Every option can also be set by an environment variable: HMAKV_DEMO_ and the option name in
+capitals with - as _ (HMAKV_DEMO_NO_MODEL=1 for --no-model).
+
+Exit codes: 0 the run passed its checks (no event lost, the HMA-aware index agreed with every
+engine answer it was compared with), 1 it did not or a service failed, 2 bad usage, 130
+interrupted while starting. Ctrl-C during the run ends it early with the summary; a second
+Ctrl-C skips waiting for the last events.
+
+examples:
+  hmakv demo                                  # 60 s on Tansu, engines with their torch model
+  hmakv demo --duration 20 --no-model --json out/summary.json --report out/report
+  hmakv demo --kafka apache                   # Apache Kafka 4 (KRaft), needs Java
+  hmakv demo --kafka 127.0.0.1:9092           # an existing cluster (its own topics, removed)"""
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(_ENV_PREFIX + name, default)
+
+
+def _env_flag(name: str) -> bool:
+    return (_env(name) or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _engine_count(text: str) -> int:
+    value = int(text)
+    if not 2 <= value <= 6:
+        raise ValueError(text)
+    return value
+
+
+def _kafka(text: str) -> str:
+    if text in ("tansu", "apache"):
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(text)
+    return text
+
+
+_engine_count.__name__ = "engine count (2 to 6)"
+_kafka.__name__ = "tansu, apache or HOST:PORT"
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run engines, bridge, index and a probing router on an embedded broker; summarise",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--duration",
+        type=positive_float,
+        default=_env("DURATION", "60"),
+        metavar="SECONDS",
+        help="seconds of probing once everything is up (default 60)",
+    )
+    parser.add_argument(
+        "--kafka",
+        type=_kafka,
+        default=_env("KAFKA", "tansu"),
+        metavar="tansu|apache|HOST:PORT",
+        help="tansu or apache: start that broker; HOST:PORT: use that cluster (default tansu)",
+    )
+    parser.add_argument(
+        "--no-model",
+        action="store_true",
+        default=_env_flag("NO_MODEL"),
+        help="engines without their torch model (default: with it when torch is installed)",
+    )
+    parser.add_argument(
+        "--engines",
+        type=_engine_count,
+        default=_env("ENGINES", "2"),
+        metavar="N",
+        help="how many engines, each with another cache layout (default 2: gpt-oss-like "
+        "and gemma3-like)",
+    )
+    parser.add_argument(
+        "--rate",
+        type=positive_float,
+        default=_env("RATE", "4"),
+        metavar="PER_SECOND",
+        help="each engine's own background requests per second (default 4)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=_env("SEED", "0"), help="seed of workloads and probes"
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        metavar="DIR",
+        default=_env("WORKDIR"),
+        help="where the services' logs go (default: a new directory under "
+        "$HMAKV_CACHE_DIR/demo, kept after the run)",
+    )
+    parser.add_argument(
+        "--json", type=Path, default=_env("JSON"), metavar="PATH", help="write the summary here"
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=_env("REPORT"),
+        metavar="DIR",
+        help="write report.html and PNG plots here",
+    )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        default=_env_flag("PLAIN"),
+        help="plain progress lines even on a terminal",
+    )
+    parser.add_argument(
+        "--interval",
+        type=positive_float,
+        default=_env("INTERVAL", "5"),
+        metavar="SECONDS",
+        help="seconds between plain progress lines (default 5)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hmakv.demo.config import DemoConfig, default_workdir, engine_lineup
+    from hmakv.demo.run import run_demo
+
+    try:
+        engines = engine_lineup(args.engines, args.seed)
+    except ValueError as error:
+        print(f"hmakv demo: {error}", file=sys.stderr)
+        return EXIT_BAD_USAGE
+    config = DemoConfig(
+        duration_s=args.duration,
+        kafka=args.kafka,
+        use_model=not args.no_model,
+        engines=engines,
+        seed=args.seed,
+        engine_rate=args.rate,
+        workdir=args.workdir or default_workdir(),
+        json_path=args.json,
+        report_dir=args.report,
+        refresh=sys.stdout.isatty() and not args.plain,
+        interval_s=args.interval,
+    )
+    return run_demo(config)

@@ -1,0 +1,194 @@
+"""HTTP to the engines' API and the index's API, as any router would speak it.
+
+Only the fields the demo reads are declared; anything else in an answer is ignored, so the demo
+keeps working while those APIs grow. Every call has a timeout: a stuck service must show up as
+an error in the demo, never as a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import aiohttp
+import msgspec
+
+T = TypeVar("T")
+
+REQUEST_TIMEOUT_S = 10.0
+
+
+class Lookup(msgspec.Struct, frozen=True):
+    """An engine's real prefix hit for a prompt right now, and the last seq it published."""
+
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    seq: int
+
+
+class Admission(msgspec.Struct, frozen=True):
+    """The hit an engine granted a request it admitted, and its last seq after admission."""
+
+    request_id: str
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    seq: int
+
+
+class EngineGroup(msgspec.Struct, frozen=True):
+    group_idx: int
+    kind: str
+    block_size: int
+    sliding_window: int | None = None
+
+
+class EngineStatus(msgspec.Struct, frozen=True):
+    worker_name: str
+    profile: str
+    groups: list[EngineGroup]
+    seq: int
+    num_blocks: int
+    blocks_cached: list[int]
+    hash_fn: str
+    hash_seed: str
+
+
+class GroupSpecView(msgspec.Struct, frozen=True):
+    kind: str
+    block_size: int
+    sliding_window: int | None = None
+
+
+class WorkerHit(msgspec.Struct, frozen=True):
+    """One worker's predicted hit: HMA-aware, and what a group-blind index would say."""
+
+    worker: str
+    hit_tokens: int
+    group_blind_hit_tokens: int
+    health: str
+    catalog_ok: bool
+
+
+class GroupBlindAnswer(msgspec.Struct, frozen=True):
+    best: str | None
+    hit_tokens: int
+
+
+class ScoreAnswer(msgspec.Struct, frozen=True):
+    best: str | None
+    workers: list[WorkerHit]
+    group_blind: GroupBlindAnswer
+
+
+class WorkerView(msgspec.Struct, frozen=True):
+    """The index's state of one worker: applied seq per group, residency, catalog, health."""
+
+    worker: str
+    epoch: int
+    health: str
+    groups: dict[int, GroupSpecView]
+    last_seq: dict[int, int]
+    resident_blocks: dict[int, dict[str, int]]
+    lag_seqs: int | None = None
+
+
+class WorkersAnswer(msgspec.Struct, frozen=True):
+    lag_records: int
+    workers: list[WorkerView]
+
+
+class ServiceError(RuntimeError):
+    """A service answered with an error status or something that is not its documented JSON."""
+
+
+class Http:
+    """One aiohttp session for the whole run (connections to each service are reused)."""
+
+    def __init__(self, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            connector=aiohttp.TCPConnector(limit=32),
+        )
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def text(self, url: str) -> str:
+        return (await self._request("GET", url, None)).decode("utf-8", "replace")
+
+    async def status_code(self, url: str) -> int:
+        """The status alone: an error status is an answer here, not a failure."""
+        try:
+            async with self._session.get(url) as response:
+                await response.read()
+                return response.status
+        except aiohttp.ClientError as error:
+            raise ServiceError(f"{url}: {error}") from error
+
+    async def get(self, url: str, answer: type[T]) -> T:
+        return _decode(url, await self._request("GET", url, None), answer)
+
+    async def post(self, url: str, document: dict[str, Any], answer: type[T]) -> T:
+        return _decode(url, await self._request("POST", url, msgspec.json.encode(document)), answer)
+
+    async def _request(self, method: str, url: str, data: bytes | None) -> bytes:
+        """The body of a successful answer; any client error becomes a ``ServiceError``."""
+        try:
+            async with self._session.request(method, url, data=data) as response:
+                body = await response.read()
+        except aiohttp.ClientError as error:
+            raise ServiceError(f"{url}: {error or type(error).__name__}") from error
+        _check(url, response.status, body)
+        return body
+
+
+def _check(url: str, status: int, body: bytes) -> None:
+    if status >= 400:
+        raise ServiceError(f"{url} answered {status}: {body.decode('utf-8', 'replace')[:300]}")
+
+
+def _decode(url: str, body: bytes, answer: type[T]) -> T:
+    try:
+        return msgspec.json.decode(body, type=answer)
+    except msgspec.DecodeError as error:
+        raise ServiceError(f"{url} answered unexpected JSON: {error}") from error
+
+
+class EngineClient:
+    """One reference engine's HTTP API."""
+
+    def __init__(self, http: Http, name: str, base_url: str) -> None:
+        self.http = http
+        self.name = name
+        self.base_url = base_url
+
+    async def lookup(self, token_ids: Sequence[int]) -> Lookup:
+        return await self.http.post(
+            f"{self.base_url}/v1/lookup", {"token_ids": list(token_ids)}, Lookup
+        )
+
+    async def request(self, token_ids: Sequence[int], max_tokens: int) -> Admission:
+        return await self.http.post(
+            f"{self.base_url}/v1/requests",
+            {"token_ids": list(token_ids), "max_tokens": max_tokens},
+            Admission,
+        )
+
+    async def status(self) -> EngineStatus:
+        return await self.http.get(f"{self.base_url}/v1/status", EngineStatus)
+
+
+class IndexClient:
+    """The index's score API."""
+
+    def __init__(self, http: Http, base_url: str) -> None:
+        self.http = http
+        self.base_url = base_url
+
+    async def score(self, token_ids: Sequence[int]) -> ScoreAnswer:
+        return await self.http.post(
+            f"{self.base_url}/v1/score", {"token_ids": list(token_ids)}, ScoreAnswer
+        )
+
+    async def workers(self) -> WorkersAnswer:
+        return await self.http.get(f"{self.base_url}/v1/workers", WorkersAnswer)

@@ -1,0 +1,482 @@
+"""The demo's life: start everything, probe and watch for ``duration``, drain, stop, summarise.
+
+Services start in dependency order, each only once the one before answers: broker, engines
+(their ``/v1/status``), bridge (``/readyz``), index (``/readyz`` and every worker's catalog).
+The end runs the other way: the probe stops, engines stop (their publishers drain), the bridge
+forwards each engine's last seq, the index applies it, and only then are the index, the bridge
+and the broker stopped, so the summary counts every event. The first Ctrl-C (or SIGTERM) ends
+the run that way; a second one skips the waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import secrets
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import TextIO
+
+from aiokafka.errors import KafkaError
+
+from hmakv.demo.checks import acknowledged, answers, applied, catalogs, forwarded, ready
+from hmakv.demo.client import EngineClient, Http, IndexClient, ServiceError
+from hmakv.demo.config import DemoConfig, EngineSpec
+from hmakv.demo.live import LiveView
+from hmakv.demo.monitor import Monitor, Tick
+from hmakv.demo.probe import Prober
+from hmakv.demo.processes import ChildExited, Children, hmakv_command
+from hmakv.demo.prompts import PromptSource
+from hmakv.demo.recordlog import RecordLog
+from hmakv.demo.services import Services, write_services
+from hmakv.demo.summary import (
+    EngineExit,
+    RunFacts,
+    Summary,
+    build_summary,
+    encode_json,
+    read_engine_exit,
+    render_text,
+)
+from hmakv.demo.topics import delete_topics
+from hmakv.kafka import BrokerStartError, JarFetchError, LocalBroker, local_broker
+from hmakv.kafka.process import LOOPBACK, free_port
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+STARTUP_TIMEOUT_S = 180.0
+DRAIN_TIMEOUT_S = 30.0
+STOP_GRACE_S = 20.0
+ENGINE_STOP_GRACE_S = 10.0
+POLL_S = 0.1
+INDEX_READY_MAX_LAG = 0
+MIN_COMPARED = 1
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM before the run phase began: stop everything, no summary."""
+
+
+class DemoFailed(RuntimeError):
+    """A service did not become ready, or the probe client broke; the message says which."""
+
+
+@dataclass(frozen=True)
+class EngineEndpoints:
+    pub_port: int
+    replay_port: int
+    api_port: int
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.api_port}"
+
+
+def torch_available() -> bool:
+    """Whether the engines can run their model (checked without importing torch here)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+class Signals:
+    """The first SIGINT/SIGTERM sets ``stop``; the second sets ``hurry`` (skip the draining)."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()
+
+    def __call__(self) -> None:
+        if self.stop.is_set():
+            self.hurry.set()
+        self.stop.set()
+
+    @contextlib.contextmanager
+    def installed(self, loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, self)
+        try:
+            yield
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
+
+
+class Demo:
+    """One run of ``hmakv demo``; ``run()`` returns the exit code."""
+
+    def __init__(self, config: DemoConfig, out: TextIO = sys.stdout) -> None:
+        self.config = config
+        self.out = out
+        self.workdir = config.workdir
+        self.children = Children(self.workdir)
+        self.signals = Signals()
+        self.broker: LocalBroker | None = None
+        self.bootstrap = ""
+        self.topic_prefix = "hmakv"
+        self.endpoints = {spec.name: _engine_endpoints() for spec in config.engines}
+        self.bridge_url = f"http://{LOOPBACK}:{free_port()}"
+        self.index_url = f"http://{LOOPBACK}:{free_port()}"
+        self.use_model = config.use_model and torch_available()
+        self._started = time.time()
+        self._run_started = time.monotonic()
+
+    def say(self, message: str) -> None:
+        print(message, file=self.out, flush=True)
+
+    def clock(self) -> float:
+        return time.monotonic() - self._run_started
+
+    async def run(self) -> int:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.say(f"hmakv demo: logs in {self.workdir}")
+        if self.config.use_model and not self.use_model:
+            self.say("torch is not installed: the engines run without their model (--no-model)")
+        http = Http()
+        try:
+            with self.signals.installed(asyncio.get_running_loop()):
+                return await self._run(http)
+        except Interrupted:
+            self.say("interrupted while starting: stopping everything")
+            return EXIT_INTERRUPTED
+        except (
+            DemoFailed,
+            ChildExited,
+            BrokerStartError,
+            JarFetchError,
+            ServiceError,
+            KafkaError,
+            TimeoutError,
+        ) as error:
+            self.say(f"hmakv demo failed: {error or type(error).__name__}")
+            return EXIT_FAILED
+        finally:
+            await http.close()
+            self._stop_everything()
+
+    async def _run(self, http: Http) -> int:
+        engines = [
+            EngineClient(http, s.name, self.endpoints[s.name].api_url) for s in self.config.engines
+        ]
+        index = IndexClient(http, self.index_url)
+        await self._start_services(http, engines, index)
+        monitor = Monitor(
+            http=http,
+            bridge_url=self.bridge_url,
+            index=index,
+            engines=engines,
+            clock=self.clock,
+            interval_s=self.config.sample_interval_s,
+        )
+        record_log = RecordLog(
+            self.bootstrap, f"{self.topic_prefix}.events", acknowledged(http, self.bridge_url)
+        )
+        prober = Prober(
+            engines,
+            index,
+            record_log,
+            PromptSource(self.config.engines, seed=self.config.seed),
+            clock=self.clock,
+            pause_s=self.config.probe_pause_s,
+            seed=self.config.seed,
+        )
+        following: asyncio.Task[None] | None = None
+        try:
+            await record_log.start()
+            following = asyncio.create_task(record_log.run())
+            self._run_started = time.monotonic()
+            first = await monitor.sample()
+            await self._run_phase(monitor, prober)
+        finally:
+            if following is not None:
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
+            await record_log.stop()
+        run_s = self.clock()
+        exits = await self._drain(http, engines, index)
+        last = await monitor.sample(engines_running=False)
+        summary = self._summarise(first, last, prober, run_s, exits)
+        await asyncio.to_thread(self._stop_everything)
+        await self._delete_topics()
+        return self._finish(summary, monitor, prober)
+
+    # ------------------------------------------------------------------------------ start
+
+    async def _start_services(
+        self, http: Http, engines: list[EngineClient], index: IndexClient
+    ) -> None:
+        await self._start_broker()
+        for spec in self.config.engines:
+            self.children.spawn(spec.name, self._engine_argv(spec))
+        for engine in engines:
+            await self._wait_for(f"{engine.name}'s API", answers(engine.status))
+        self.say(f"engines up: {', '.join(self._engine_line(s) for s in self.config.engines)}")
+        self.children.spawn("bridge", self._bridge_argv())
+        await self._wait_for("the bridge's /readyz", ready(http, f"{self.bridge_url}/readyz"))
+        self.children.spawn("index", self._index_argv())
+        await self._wait_for("the index's /readyz", ready(http, f"{self.index_url}/readyz"))
+        names = {spec.name for spec in self.config.engines}
+        await self._wait_for("every worker's catalog in the index", catalogs(index, names))
+        self._write_services()
+        self.say(
+            f"bridge {self.bridge_url}/metrics, index {self.index_url} (/v1/score, /metrics); "
+            f"probing for {self.config.duration_s:g} s"
+        )
+
+    def _write_services(self) -> None:
+        write_services(
+            self.workdir,
+            Services(
+                kafka=self.bootstrap,
+                topic_prefix=self.topic_prefix,
+                broker_pid=self.broker.pid if self.broker is not None else None,
+                bridge=self.bridge_url,
+                index=self.index_url,
+                engines={name: ports.api_url for name, ports in self.endpoints.items()},
+                pids={child.name: child.pid for child in self.children.started},
+            ),
+        )
+
+    async def _start_broker(self) -> None:
+        embedded = self.config.embedded_broker
+        if embedded is None:
+            self.bootstrap = self.config.kafka
+            self.topic_prefix = f"hmakv-demo-{secrets.token_hex(4)}"
+            self.say(f"Kafka: {self.bootstrap} (topics {self.topic_prefix}.*)")
+            return
+        broker = local_broker(embedded)
+        self.broker = broker
+        # Blocking, so on a worker thread; it lives as long as the event loop, and the broker
+        # (started with the parent-death signal) dies with it if the demo is killed outright.
+        await asyncio.to_thread(broker.start)
+        self.bootstrap = broker.bootstrap
+        self.say(f"Kafka: embedded {embedded} at {self.bootstrap}")
+
+    def _engine_argv(self, spec: EngineSpec) -> list[str]:
+        ports = self.endpoints[spec.name]
+        argv = [
+            *hmakv_command(),
+            "engine",
+            "--profile", spec.profile,
+            "--workload", spec.workload,
+            "--rate", f"{self.config.engine_rate:g}",
+            "--seed", str(spec.seed),
+            "--worker-name", spec.name,
+            # vLLM's rule: a wildcard endpoint binds (the bridge connects), a host connects.
+            "--endpoint", f"tcp://*:{ports.pub_port}",
+            "--replay-endpoint", f"tcp://{LOOPBACK}:{ports.replay_port}",
+            "--api", f"{LOOPBACK}:{ports.api_port}",
+            "--status-interval", "5",
+        ]  # fmt: skip
+        if spec.num_blocks is not None:
+            argv += ["--num-blocks", str(spec.num_blocks)]
+        if not self.use_model:
+            argv.append("--no-model")
+        return argv
+
+    def _bridge_argv(self) -> list[str]:
+        engines = [
+            f"{name}=tcp://{LOOPBACK}:{ports.pub_port},replay=tcp://{LOOPBACK}:{ports.replay_port}"
+            for name, ports in self.endpoints.items()
+        ]
+        return [
+            *hmakv_command(),
+            "bridge",
+            "--kafka", self.bootstrap,
+            "--topic-prefix", self.topic_prefix,
+            *(option for engine in engines for option in ("--engine", engine)),
+            "--listen", self.bridge_url.removeprefix("http://"),
+        ]  # fmt: skip
+
+    def _index_argv(self) -> list[str]:
+        return [
+            *hmakv_command(),
+            "index",
+            "--kafka", self.bootstrap,
+            "--topic-prefix", self.topic_prefix,
+            "--listen", self.index_url.removeprefix("http://"),
+            "--snapshot-to", "none",
+            "--follower-id", "hmakv-demo",
+            "--ready-max-lag", str(INDEX_READY_MAX_LAG),
+        ]  # fmt: skip
+
+    def _engine_line(self, spec: EngineSpec) -> str:
+        return f"{spec.name} ({spec.profile}, {spec.workload}, {self.endpoints[spec.name].api_url})"
+
+    async def _wait_for(
+        self, what: str, ready: Callable[[], Awaitable[bool]], timeout_s: float = STARTUP_TIMEOUT_S
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not await ready():
+            if self.signals.stop.is_set():
+                raise Interrupted
+            self.children.check_alive()
+            if time.monotonic() >= deadline:
+                raise DemoFailed(f"{what} did not answer within {timeout_s:.0f} s")
+            await asyncio.sleep(POLL_S)
+
+    # ------------------------------------------------------------------------------ run
+
+    async def _run_phase(self, monitor: Monitor, prober: Prober) -> None:
+        stop_probe, stop_watch = asyncio.Event(), asyncio.Event()
+        live = LiveView(
+            monitor,
+            prober.stats,
+            [spec.name for spec in self.config.engines],
+            clock=self.clock,
+            duration_s=self.config.duration_s,
+            refresh=self.config.refresh,
+            interval_s=self.config.interval_s,
+            out=self.out,
+        )
+        watchers = [
+            asyncio.create_task(monitor.run(stop_watch)),
+            asyncio.create_task(live.run(stop_watch)),
+        ]
+        probing = asyncio.create_task(prober.run(stop_probe))
+        try:
+            await self._until_done(probing)
+        finally:
+            stop_probe.set()
+            stop_watch.set()
+            await asyncio.gather(probing, *watchers, return_exceptions=True)
+            live.show()
+            live.finish()
+        if probing.done() and not probing.cancelled() and probing.exception() is not None:
+            raise DemoFailed(f"the probe client failed: {probing.exception()}")
+
+    async def _until_done(self, probing: asyncio.Task[None]) -> None:
+        """Until ``duration`` is up, a signal arrives, a service dies or the probe fails."""
+        deadline = time.monotonic() + self.config.duration_s
+        while time.monotonic() < deadline and not self.signals.stop.is_set():
+            self.children.check_alive()
+            if probing.done():
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self.signals.stop.wait(), min(1.0, deadline - time.monotonic())
+                )
+
+    # ------------------------------------------------------------------------------ end
+
+    async def _drain(
+        self, http: Http, engines: list[EngineClient], index: IndexClient
+    ) -> dict[str, EngineExit]:
+        """Stop the engines, then wait until their last events are forwarded and applied."""
+        engine_children = [c for c in self.children.started if c.name in self.endpoints]
+        codes = await asyncio.to_thread(self.children.stop, engine_children, ENGINE_STOP_GRACE_S)
+        exits = {
+            child.name: read_engine_exit(child.log_path, codes[child.name])
+            for child in engine_children
+        }
+        last_seqs = {
+            name: exit_.last_seq for name, exit_ in exits.items() if exit_.last_seq is not None
+        }
+        self.say(
+            "engines stopped; waiting for the bridge and the index to deliver their last events"
+        )
+        try:
+            await self._wait_drained(
+                "the bridge to forward", forwarded(http, self.bridge_url, last_seqs)
+            )
+            await self._wait_drained("the index to apply", applied(index, last_seqs))
+        except ChildExited as error:
+            self.say(f"while draining: {error}")
+        return exits
+
+    async def _wait_drained(self, what: str, done: Callable[[], Awaitable[bool]]) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while not self.signals.hurry.is_set():
+            if await done():
+                return
+            if time.monotonic() >= deadline:
+                self.say(f"gave up waiting for {what} every event after {DRAIN_TIMEOUT_S:.0f} s")
+                return
+            await asyncio.sleep(POLL_S)
+
+    def _summarise(
+        self,
+        first: Tick,
+        last: Tick,
+        prober: Prober,
+        run_s: float,
+        exits: dict[str, EngineExit],
+    ) -> Summary:
+        facts = RunFacts(
+            started_at=self._started,
+            run_s=run_s,
+            interrupted=self.signals.stop.is_set(),
+            kafka=self._kafka_description(),
+            model=self.use_model,
+            workdir=self.workdir,
+            engines=self.config.engines,
+            exits=exits,
+        )
+        return build_summary(facts, first, last, prober.stats, MIN_COMPARED)
+
+    def _kafka_description(self) -> str:
+        embedded = self.config.embedded_broker
+        return f"{embedded} (embedded) at {self.bootstrap}" if embedded else self.bootstrap
+
+    def _finish(self, summary: Summary, monitor: Monitor, prober: Prober) -> int:
+        self.say(render_text(summary))
+        if self.config.json_path is not None:
+            self.config.json_path.parent.mkdir(parents=True, exist_ok=True)
+            self.config.json_path.write_bytes(encode_json(summary))
+            self.say(f"summary JSON: {self.config.json_path}")
+        reported = self.config.report_dir is None or self._report(summary, monitor, prober)
+        self.say(f"logs: {self.workdir}")
+        return EXIT_OK if summary.ok and reported else EXIT_FAILED
+
+    def _report(self, summary: Summary, monitor: Monitor, prober: Prober) -> bool:
+        assert self.config.report_dir is not None
+        try:
+            from hmakv.demo.report import write_report  # matplotlib only when a report is asked
+        except ImportError as error:
+            self.say(f"no report: it needs matplotlib ({error}); pip install 'hmakv[local]'")
+            return False
+        written = write_report(self.config.report_dir, summary, monitor.ticks, prober.stats)
+        self.say(f"report: {written}")
+        return True
+
+    def _stop_everything(self) -> None:
+        """Every child group (reverse start order), the broker, and an external run's topics."""
+        if self.children.started:
+            self.children.stop_all(STOP_GRACE_S)
+        if self.broker is not None:
+            self._keep_broker_log(self.broker)
+            self.broker.stop()
+            self.broker = None
+
+    async def _delete_topics(self) -> None:
+        """On an existing cluster, remove the topics this run created (its prefix is its own)."""
+        if self.config.embedded_broker is not None:
+            return
+        topics = [f"{self.topic_prefix}.{kind}" for kind in ("events", "workers", "deadletter")]
+        try:
+            await delete_topics(self.bootstrap, topics)
+        except Exception as error:  # the run's results stand; say what is left behind
+            self.say(f"could not delete the demo's topics {', '.join(topics)}: {error}")
+
+    def _keep_broker_log(self, broker: LocalBroker) -> None:
+        """The broker's data dir is temporary; its log goes to the workdir with the others."""
+        with contextlib.suppress(OSError, RuntimeError):
+            shutil.copyfile(broker.log_path, self.workdir / "kafka.log")
+
+
+def _engine_endpoints() -> EngineEndpoints:
+    return EngineEndpoints(pub_port=free_port(), replay_port=free_port(), api_port=free_port())
+
+
+def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> int:
+    # The probe's own Kafka client would narrate its assignments at INFO among the progress.
+    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
+    return asyncio.run(Demo(config, out).run())

@@ -1,0 +1,297 @@
+"""What reaches the bridge from outside: vLLM's own frames, bad frames, engines that connect to
+the bridge (bound SUB), and the operator's view (/healthz, /readyz, /metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+from bridge_harness import (
+    TOPIC,
+    EngineThread,
+    KafkaLog,
+    by_group,
+    engines_running,
+    expected_records,
+    free_port,
+    metric,
+    running_bridge,
+    settings_for,
+    step_batch,
+)
+
+from bridge.config import EngineConfig
+from bridge.records import EventRecord
+from producer.events import AllBlocksCleared, BlockRemoved, encode
+from producer.publisher import ZmqEventPublisher
+
+pytestmark = pytest.mark.kafka
+
+WIRE_VECTORS = Path(__file__).parent.parent / "data" / "vllm-wire.jsonl"
+
+
+class RawPublisher:
+    """A plain socket speaking vLLM's PUB protocol, whatever frames the test gives it.
+
+    XPUB rather than PUB only to see the bridge's subscription arrive, so nothing is sent into
+    the void before it (the slow-joiner problem, which a raw socket has no replay ring to fix).
+    """
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self._ctx = zmq.Context()
+        self._socket = self._ctx.socket(zmq.XPUB)
+        self._socket.bind(f"tcp://127.0.0.1:{self.port}")
+
+    async def subscribed(self) -> None:
+        """Wait (off the event loop, where the bridge subscribes) for the subscription."""
+        assert await asyncio.to_thread(self._socket.poll, 10_000), "the bridge never subscribed"
+        self._socket.recv()
+
+    def send(self, *frames: bytes) -> None:
+        self._socket.send_multipart(list(frames))
+
+    def close(self) -> None:
+        self._socket.close(linger=1000)
+        self._ctx.term()
+
+    def config(self, name: str, topic: str = TOPIC) -> EngineConfig:
+        return EngineConfig(name, f"tcp://127.0.0.1:{self.port}", None, topic=topic)
+
+
+def seq(number: int) -> bytes:
+    return number.to_bytes(8, "big")
+
+
+def wire_event(event: dict[str, object]) -> dict[str, object]:
+    """An expected event of the vectors with bytes as bytes, as the structs hold them."""
+
+    def value(item: object) -> object:
+        if isinstance(item, dict) and set(item) == {"bytes"}:
+            return bytes.fromhex(str(item["bytes"]))
+        if isinstance(item, list):
+            return [value(x) for x in item]
+        return item
+
+    return {key: value(item) for key, item in event.items()}
+
+
+def as_dict(event: object) -> dict[str, object]:
+    fields = msgspec.structs.asdict(event)  # type: ignore[arg-type]
+    return {"type": type(event).__name__, **fields}
+
+
+async def test_frames_of_every_vllm_generation_are_forwarded(kafka_bootstrap: str) -> None:
+    vectors = [json.loads(line) for line in WIRE_VECTORS.read_text().splitlines()]
+    raw = RawPublisher()
+    settings = settings_for(kafka_bootstrap)
+    try:
+        async with running_bridge(settings, [raw.config("vllm", topic="")]):
+            await raw.subscribed()
+            for number, vector in enumerate(vectors):
+                raw.send(b"", seq(number), bytes.fromhex(vector["payload_hex"]))
+            log = KafkaLog(kafka_bootstrap, settings.topics)
+            last = len(vectors) - 1
+            await log.wait_for(lambda log: log.has_seq("vllm", last, (0,)), "every vector")
+    finally:
+        raw.close()
+    assert not log.dead_letters
+    groups_seen: set[int] = set()
+    for number, vector in enumerate(vectors):
+        records = {r.group_idx: r for r in log.records_of("vllm") if r.seq == number}
+        expected = [wire_event(e) for e in vector["expected"]["events"]]
+        for event in expected:
+            if event["type"] == "AllBlocksCleared":
+                assert set(records) == (groups_seen or {0})
+                assert all(AllBlocksCleared() in r.events for r in records.values())
+                continue
+            group = int(event.get("group_idx") or 0)  # type: ignore[call-overload]
+            groups_seen.add(group)
+            forwarded = [as_dict(e) for e in records[group].events]
+            assert any(event.items() <= f.items() for f in forwarded), (vector["case"], event)
+        for record in records.values():
+            assert record.ts == vector["expected"]["ts"]
+            assert record.data_parallel_rank == vector["expected"]["data_parallel_rank"]
+
+
+async def test_every_kind_of_bad_frame_is_dead_lettered_and_counted_while_good_traffic_flows(
+    kafka_bootstrap: str,
+) -> None:
+    good = EngineThread("good")
+    raw = RawPublisher()
+    settings = settings_for(kafka_bootstrap, max_payload_bytes=2000)
+    topic = TOPIC.encode()
+    unknown_type = msgspec.msgpack.encode(
+        [
+            1.5,
+            [
+                {"type": "BlockInactive", "block_hashes": [1]},
+                {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0},
+            ],
+            0,
+        ]
+    )
+    bad_frames = {
+        "frame_count": [topic, seq(9)],
+        "seq_size": [topic, b"\x00\x01", encode(step_batch(9))],
+        "payload_undecodable": [topic, seq(1), b"\xc1 not msgpack"],
+        "payload_oversize": [topic, seq(2), b"\x00" * 3000],
+        "topic_mismatch": [b"kv-events-other", seq(99), encode(step_batch(99))],
+        "unknown_event_type": [topic, seq(3), unknown_type],
+    }
+    with engines_running(good):
+        try:
+            async with running_bridge(settings, [good.config, raw.config("raw")]) as bridge:
+                await raw.subscribed()
+                raw.send(topic, seq(0), encode(step_batch(0)))
+                for frames in bad_frames.values():
+                    good.publish(2)
+                    raw.send(*frames)
+                raw.send(topic, seq(4), encode(step_batch(4)))
+                await good.published_all(2)
+                log = KafkaLog(kafka_bootstrap, settings.topics)
+
+                def all_in(log: KafkaLog) -> bool:
+                    reasons = {d.reason for d in log.dead_letters}
+                    last_good = good.last_seq
+                    return (
+                        reasons == set(bad_frames)
+                        and log.has_seq("good", last_good)
+                        and (log.has_seq("raw", 4))
+                    )
+
+                await log.wait_for(all_in, "every dead letter and all good traffic")
+                counts = {
+                    reason: metric(bridge, "hmakv_bridge_frames_rejected_total", reason=reason)
+                    for reason in bad_frames
+                }
+        finally:
+            raw.close()
+    assert counts == dict.fromkeys(bad_frames, 1.0)
+    letters = {d.reason: d for d in log.dead_letters}
+    assert letters["frame_count"].frames == bad_frames["frame_count"]
+    assert letters["payload_undecodable"].frames == bad_frames["payload_undecodable"]
+    assert letters["unknown_event_type"].frames == bad_frames["unknown_event_type"]
+    assert "BlockInactive" in letters["unknown_event_type"].detail
+    assert sorted(h["reason"].decode() for h in log.dead_letter_headers) == sorted(bad_frames)
+    rest = [r for r in log.records_of("good") if r.seq > 0]
+    assert by_group(rest) == by_group(expected_records("good", 0, good))
+    # the raw worker lost seqs 1 and 2 (undecodable), so it is cleared and degraded; its
+    # batch with an unknown event type still carries the event this bridge knows
+    raw_records: dict[int, list[EventRecord]] = {}
+    for record in log.records_of("raw"):
+        raw_records.setdefault(record.seq, []).append(record)
+    assert sorted(raw_records) == [0, 1, 2, 3, 4]
+    assert all(r.events == [AllBlocksCleared()] for s in (1, 2) for r in raw_records[s])
+    assert [r.events for r in raw_records[3]] == [[BlockRemoved([7], "GPU", group_idx=0)]]
+    state = log.state("raw")
+    assert state is not None and state.health == "degraded"
+
+
+async def test_engines_that_connect_to_the_bridge_are_told_apart_by_topic(
+    kafka_bootstrap: str,
+) -> None:
+    """vLLM connects when its endpoint names a host: llm-d's kv@<pod>@<model> names the worker,
+    and an engine configured by topic gets its gaps replayed."""
+    bind_port, replay_port = free_port(), free_port()
+    configured = EngineConfig(
+        "engine-c", None, f"tcp://127.0.0.1:{replay_port}", topic="kv@engine-c@m"
+    )
+    settings = settings_for(kafka_bootstrap, bind_sub=f"tcp://127.0.0.1:{bind_port}")
+    async with running_bridge(settings, [configured]) as bridge:
+        publishers = {
+            topic: ZmqEventPublisher(
+                0,
+                f"tcp://127.0.0.1:{bind_port}",
+                f"tcp://127.0.0.1:{replay_port}" if topic == "kv@engine-c@m" else None,
+                topic=topic,
+            )
+            for topic in ("kv@pod-a@llama", "kv@pod-b@llama", "kv@engine-c@m", "not-llmd")
+        }
+        try:
+            # Spread out: the llm-d workers have no replay to recover what is sent before the
+            # bridge's subscription reaches them.
+            await asyncio.to_thread(publish_steps, list(publishers.values()), 50)
+            log = KafkaLog(kafka_bootstrap, settings.topics)
+
+            def all_there(log: KafkaLog) -> bool:
+                states = [log.state(w) for w in ("pod-a", "pod-b", "engine-c")]
+                return all(s is not None and s.last_seq == 50 for s in states)
+
+            await log.wait_for(all_there, "three workers' 50 steps")
+            unknown = metric(bridge, "hmakv_bridge_frames_rejected_total", reason="worker_unknown")
+        finally:
+            for publisher in publishers.values():
+                publisher.shutdown()
+    assert {r.worker for r in log.events} == {"pod-a", "pod-b", "engine-c"}
+    assert unknown >= 1
+    assert {d.reason for d in log.dead_letters} == {"worker_unknown"}
+    # the configured engine has a replay endpoint: its seq 0, sent before the bridge's
+    # subscription could have reached it, is replayed; the others have no way to get it back
+    engine_c = sorted({r.seq for r in log.records_of("engine-c")})
+    assert engine_c == list(range(51))
+    assert [r.events for r in log.records_of("engine-c") if r.seq == 0] == [[AllBlocksCleared()]]
+    assert log.records_of("pod-a")[-1].seq == 50
+
+
+def publish_steps(publishers: list[ZmqEventPublisher], steps: int) -> None:
+    for step in range(1, steps + 1):
+        for publisher in publishers:
+            publisher.publish(step_batch(step))
+        time.sleep(0.005)
+
+
+async def test_health_readiness_and_metrics_endpoints(kafka_bootstrap: str) -> None:
+    engine = EngineThread("engine-a")
+    port = free_port()
+    unreachable = EngineConfig("nobody", f"tcp://127.0.0.1:{free_port()}", topic=TOPIC)
+    settings = settings_for(kafka_bootstrap, listen=("127.0.0.1", port))
+    base = f"http://127.0.0.1:{port}"
+    with engines_running(engine):
+        await engine.published_all(10)  # before the bridge: a gap its catch-up replay fills
+        async with running_bridge(settings, [engine.config, unreachable]) as bridge:
+            log = KafkaLog(kafka_bootstrap, settings.topics)
+            await log.wait_for(lambda log: log.has_seq("engine-a", 10), "ten steps")
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{base}/healthz") as response:
+                    assert (response.status, await response.text()) == (200, "ok\n")
+                async with http.get(f"{base}/readyz") as response:
+                    not_ready = (response.status, await response.json())
+                await bridge.reload([engine.config])  # the engine that never answers is gone
+                async with http.get(f"{base}/readyz") as response:
+                    ready = (response.status, await response.json())
+                async with http.get(f"{base}/metrics") as response:
+                    assert response.status == 200
+                    exposition = await response.text()
+    assert not_ready == (
+        503,
+        {
+            "ready": False,
+            "started": True,
+            "kafka": True,
+            "sources": {"engine-a": "connected", "nobody": "connecting"},
+        },
+    )
+    assert ready == (
+        200,
+        {"ready": True, "started": True, "kafka": True, "sources": {"engine-a": "connected"}},
+    )
+    for line in (
+        'hmakv_bridge_batches_received_total{worker="engine-a"}',
+        'hmakv_bridge_gaps_detected_total{worker="engine-a"} 1.0',
+        'hmakv_bridge_gaps_replayed_total{by="replay",worker="engine-a"} 1.0',
+        'hmakv_bridge_replays_total{kind="replay",outcome="ended"}',
+        'hmakv_bridge_worker_health{health="live",worker="engine-a"} 1.0',
+        "hmakv_bridge_kafka_send_latency_seconds_bucket",
+        "hmakv_bridge_end_to_end_age_seconds_count",
+        "hmakv_bridge_sources_connected 1.0",
+        'hmakv_bridge_records_produced_total{topic="events"}',
+    ):
+        assert line in exposition, line
+    assert 'worker="nobody"' not in exposition  # a removed worker's series go with it

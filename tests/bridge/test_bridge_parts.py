@@ -1,0 +1,260 @@
+"""The bridge's small pure parts: configuration, frame parsing, the worker board, logs, relay."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from bridge import records
+from bridge.board import WorkerBoard, WorkerView
+from bridge.catalog import GroupCatalog
+from bridge.config import (
+    ConfigError,
+    EngineConfig,
+    WorkerAddress,
+    check_unique,
+    load_engines_file,
+    parse_engine_flag,
+)
+from bridge.frames import (
+    Rejected,
+    RejectReason,
+    ReplyEnd,
+    SeqFrames,
+    decode_payload,
+    llmd_pod,
+    split_live,
+    split_reply,
+)
+from bridge.logs import JsonFormatter, RateLimitedLog
+from bridge.records import Topics
+from bridge.relay import WorkerRelay
+from bridge.tracking import Clear, Forward, GapUnrecoverable, HealthChanged, SequenceTracker
+from producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch, encode
+from producer.publisher import END_SEQ
+
+# --- configuration -------------------------------------------------------------------------------
+
+
+def test_an_engine_flag_with_every_option() -> None:
+    engine = parse_engine_flag("gpu-a=tcp://h:5557,replay=tcp://h:5560,topic=kv,dp=2")
+    assert engine == EngineConfig("gpu-a", "tcp://h:5557", "tcp://h:5560", "kv", (0, 1))
+    assert engine.workers() == [
+        WorkerAddress("gpu-a-dp0", 0, "tcp://h:5557", "tcp://h:5560"),
+        WorkerAddress("gpu-a-dp1", 1, "tcp://h:5558", "tcp://h:5561"),  # vLLM's port offset
+    ]
+    assert engine.worker_for_rank(1) == engine.workers()[1]
+    assert engine.worker_for_rank(2) is None
+
+
+def test_a_single_rank_engine_is_one_worker_named_as_configured() -> None:
+    engine = parse_engine_flag("gpu-a=tcp://h:5557")
+    assert engine.workers() == [WorkerAddress("gpu-a", None, "tcp://h:5557", None)]
+    assert engine.worker_for_rank(0) == engine.workers()[0]
+    assert engine.worker_for_rank(None) == engine.workers()[0]
+    assert engine.worker_for_rank(1) is None
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("gpu-a", "expected NAME=ENDPOINT"),
+        ("gpu-a=", "expected NAME=ENDPOINT"),
+        ("gpu-a=tcp://h:1,color=red", "unknown option"),
+        ("gpu-a=tcp://h:1,dp=0", "positive integer"),
+        ("gpu/a=tcp://h:1", "no '/'"),
+        ("gpu-a=h:1", "not a ZMQ endpoint"),
+    ],
+)
+def test_bad_engine_flags_say_what_is_wrong(flag: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_engine_flag(flag)
+
+
+def test_an_engines_file_with_groups(tmp_path: Path) -> None:
+    path = tmp_path / "engines.toml"
+    path.write_text(
+        '[[engines]]\nname = "a"\nendpoint = "tcp://h:1"\nreplay = "tcp://h:2"\n'
+        "dp_ranks = [0, 3]\n"
+        'groups = { 2 = { kind = "chunked_local_attention", block_size = 16, chunk_size = 64 } }\n'
+        '[[engines]]\nname = "b"\ntopic = "kv@b@m"\n'
+    )
+    a, b = load_engines_file(path)
+    assert a.dp_ranks == (0, 3)
+    assert a.groups == {2: GroupSpec("chunked_local_attention", 16, None, 64)}
+    assert [w.endpoint for w in a.workers()] == ["tcp://h:1", "tcp://h:4"]
+    assert (b.endpoint, b.topic) == (None, "kv@b@m")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("engines = 1", "array of tables"),
+        ('[[engines]]\nname = "a"\nport = 1', "unknown keys"),
+        ("[[engines]]\nname = 1", "name must be a string"),
+        ('[[engines]]\nname = "a"\ndp_ranks = "0"', "dp_ranks"),
+        ('[[engines]]\nname = "a"\ngroups = { x = { kind = "mamba", block_size = 1 } }', "index"),
+        ('[[engines]]\nname = "a"\ngroups = { 1 = { kind = "nope", block_size = 1 } }', "kind"),
+        ("[[engines]\n", "engines.toml"),
+    ],
+)
+def test_bad_engines_files_say_where(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "engines.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_engines_file(path)
+
+
+def test_engine_names_are_unique() -> None:
+    engines = [parse_engine_flag("a=tcp://h:1"), parse_engine_flag("a=tcp://h:2")]
+    with pytest.raises(ConfigError, match="unique: a"):
+        check_unique(engines)
+
+
+# --- frames --------------------------------------------------------------------------------------
+
+PAYLOAD = encode(KVEventBatch(1.0, [AllBlocksCleared()], 0))
+
+
+def seq(number: int, *, signed: bool = False) -> bytes:
+    return number.to_bytes(8, "big", signed=signed)
+
+
+def test_live_frames() -> None:
+    assert split_live([b"kv", seq(5), PAYLOAD], b"kv") == SeqFrames(b"kv", 5, PAYLOAD)
+    assert split_live([b"any", seq(5), PAYLOAD], None) == SeqFrames(b"any", 5, PAYLOAD)
+    cases = {
+        RejectReason.FRAME_COUNT: [b"kv", seq(5)],
+        RejectReason.SEQ_SIZE: [b"kv", b"\x05", PAYLOAD],
+        RejectReason.TOPIC_MISMATCH: [b"kv2", seq(5), PAYLOAD],
+    }
+    for reason, frames in cases.items():
+        rejected = split_live(frames, b"kv")
+        assert isinstance(rejected, Rejected)
+        assert (rejected.reason, rejected.frames) == (reason, frames)
+    mismatch = split_live([b"kv2", seq(5), PAYLOAD], b"kv")
+    assert isinstance(mismatch, Rejected) and mismatch.seq == 5
+
+
+def test_reply_frames_with_and_without_the_topic_frame() -> None:
+    assert split_reply([b"", b"kv", seq(7), PAYLOAD]) == SeqFrames(b"kv", 7, PAYLOAD)
+    assert split_reply([b"", seq(7), PAYLOAD]) == SeqFrames(b"", 7, PAYLOAD)  # before #45177
+    assert split_reply([b"", b"", END_SEQ, b""]) == ReplyEnd()
+    assert split_reply([b"", END_SEQ, b""]) == ReplyEnd()
+    for frames in ([b"x", seq(1), PAYLOAD], [b"", b"kv", b"\x01", PAYLOAD], [b""]):
+        assert isinstance(split_reply(frames), Rejected)
+
+
+def test_payload_decoding_rejects_oversize_before_decoding() -> None:
+    message = SeqFrames(b"", 3, PAYLOAD)
+    assert not isinstance(decode_payload(message, [], 1024), Rejected)
+    oversize = decode_payload(message, [], 4)
+    assert isinstance(oversize, Rejected) and oversize.reason is RejectReason.PAYLOAD_OVERSIZE
+    garbage = decode_payload(SeqFrames(b"", 3, b"\xc1"), [b"\xc1"], 1024)
+    assert isinstance(garbage, Rejected) and garbage.reason is RejectReason.PAYLOAD_UNDECODABLE
+    assert garbage.seq == 3
+
+
+def test_llmd_topics_name_the_pod() -> None:
+    assert llmd_pod(b"kv@pod-7@meta-llama/Llama-3.1-8B") == "pod-7"
+    for topic in (b"kv-events", b"kv@@m", b"kv@pod", b"kv@a/b@m", b""):
+        assert llmd_pod(topic) is None
+
+
+# --- the board -----------------------------------------------------------------------------------
+
+
+def test_the_board_writes_changes_at_once_and_resume_points_per_interval() -> None:
+    board = WorkerBoard(interval=10.0)
+    board.add("w", WorkerView(groups={0: GroupSpec("full_attention", 16)}))
+    assert [s.last_seq for s in board.due(now=100.0)] == [-1]  # new: written at once
+    board.acknowledged("w", 0, 5, 55.0, engine_batch=True)
+    assert board.due(now=101.0) == []  # only the resume point moved: wait for the interval
+    [state] = board.due(now=110.0)
+    assert (state.epoch, state.last_seq, state.ts) == (0, 5, 55.0)
+    board.acknowledged("w", 0, 6, 56.0, engine_batch=False)  # a clear: no resume point
+    board.acknowledged("w", 0, 7, 57.0, engine_batch=True)
+    assert [s.last_seq for s in board.due(now=111.0, flush=True)] == [7]
+    board.set_health("w", "degraded")
+    [state] = board.due(now=112.0)
+    assert state.health == "degraded"
+    board.acknowledged("w", 1, -1, 60.0, engine_batch=False)  # a new epoch's clear
+    [state] = board.due(now=113.0)
+    assert (state.epoch, state.last_seq) == (1, -1)
+    board.acknowledged("gone", 0, 1, 1.0, engine_batch=True)  # removed workers are ignored
+    assert board.due(now=200.0, flush=True) == []
+
+
+# --- logs ----------------------------------------------------------------------------------------
+
+
+def test_incidents_are_logged_once_per_interval_with_the_count_held_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    incidents = RateLimitedLog(logging.getLogger("test.incidents"), 10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.incidents"):
+        for _ in range(3):
+            incidents.warning("gap", "gap %d", 1)
+        incidents.warning("lost", "lost")
+        now[0] = 11.0
+        incidents.warning("gap", "gap %d", 2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "gap 1",
+        "lost",
+        "gap 2 (2 more like it in the last 10 s)",
+    ]
+
+
+def test_json_log_lines_carry_the_extra_fields() -> None:
+    record = logging.makeLogRecord(
+        {"name": "bridge", "levelname": "WARNING", "msg": "lost %d", "args": (3,), "worker": "w"}
+    )
+    line = json.loads(JsonFormatter().format(record))
+    assert (line["message"], line["worker"], line["level"]) == ("lost 3", "w", "WARNING")
+
+
+# --- the relay -----------------------------------------------------------------------------------
+
+
+def store(group: int) -> BlockStored:
+    return BlockStored([group], None, [1] * 16, 16, None, "GPU", None, group_idx=group)
+
+
+def relay(max_record_bytes: int = 1 << 20) -> WorkerRelay:
+    return WorkerRelay(
+        "w",
+        SequenceTracker(can_fetch=False),
+        GroupCatalog(),
+        topics=Topics("t"),
+        data_parallel_rank=0,
+        max_record_bytes=max_record_bytes,
+    )
+
+
+def test_forwarded_batches_become_keyed_encoded_records() -> None:
+    worker = relay()
+    batch = KVEventBatch(2.0, [store(0), store(1)], 0)
+    handled = worker.handle([Forward(0, 4, batch)], now=9.0)
+    [outgoing] = handled.outgoing
+    assert (outgoing.seq, outgoing.ts, outgoing.engine_batch) == (4, 2.0, True)
+    assert [r.key for r in outgoing.records] == [b"w/0", b"w/1"]
+    assert {r.topic for r in outgoing.records} == {"t.events"}
+    assert records.decode_event_record(outgoing.records[1].value).events == [store(1)]
+    assert handled.catalog_changed
+    cleared = worker.handle([Clear(0, 5, "lost")], now=9.0).outgoing[0]
+    assert (cleared.ts, cleared.engine_batch) == (9.0, False)
+    assert [records.decode_event_record(r.value).group_idx for r in cleared.records] == [0, 1]
+
+
+def test_a_batch_too_large_for_kafka_is_lost_and_clears_the_worker() -> None:
+    worker = relay(max_record_bytes=64)
+    worker.tracker.on_live(0, KVEventBatch(1.0, [], 0))
+    handled = worker.handle(worker.tracker.on_live(1, KVEventBatch(2.0, [store(0)], 0)), now=3.0)
+    assert [type(e) for e in handled.events] == [Forward, GapUnrecoverable, Clear, HealthChanged]
+    [outgoing] = handled.outgoing
+    assert (outgoing.seq, outgoing.engine_batch) == (1, False)
+    assert worker.tracker.health == "degraded"

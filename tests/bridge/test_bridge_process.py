@@ -1,0 +1,182 @@
+"""``hmakv bridge`` as operators run it: a process killed and restarted, reloaded, stopped.
+
+The bridge runs as a subprocess of the real command line; engines and Kafka are real too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from bridge_harness import (
+    TOPIC,
+    WAIT_S,
+    EngineThread,
+    KafkaLog,
+    by_group,
+    engines_running,
+    expected_records,
+)
+
+from bridge.records import Topics
+from hmakv.cli import main
+from hmakv.kafka import unique_topic
+
+
+class BridgeProcess:
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self._log = log_path.open("ab")
+        command = [sys.executable, "-m", "hmakv.cli", "bridge", *args]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def signal(self, signum: signal.Signals) -> None:
+        self.process.send_signal(signum)
+
+    def wait(self) -> int:
+        try:
+            return self.process.wait(WAIT_S)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.wait()
+
+
+@pytest.fixture
+def processes() -> Iterator[list[BridgeProcess]]:
+    started: list[BridgeProcess] = []
+    yield started
+    for process in started:
+        process.kill()
+
+
+def engine_flag(engine: EngineThread) -> str:
+    return (
+        f"{engine.name}=tcp://127.0.0.1:{engine.pub_port},"
+        f"replay=tcp://127.0.0.1:{engine.replay_port},topic={TOPIC}"
+    )
+
+
+async def wait_until(condition: object, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.kafka
+async def test_a_bridge_killed_and_restarted_loses_nothing_the_ring_covers(
+    kafka_bootstrap: str, tmp_path: Path, processes: list[BridgeProcess]
+) -> None:
+    engine = EngineThread("engine-a")
+    prefix = unique_topic("bridge")
+    args = ["--kafka", kafka_bootstrap, "--topic-prefix", prefix, "--partitions", "3"]
+    args += ["--engine", engine_flag(engine), "--state-interval", "0.2"]
+    log = KafkaLog(kafka_bootstrap, Topics(prefix))
+    with engines_running(engine):
+        processes.append(BridgeProcess(args, tmp_path / "bridge.log"))
+        await log.wait_for(lambda log: log.state("engine-a") is not None, "the bridge up")
+        engine.publish(150, interval=0.01)
+
+        def resumable(log: KafkaLog) -> bool:
+            state = log.state("engine-a")
+            return state is not None and state.last_seq >= 30
+
+        await log.wait_for(resumable, "a resume point past seq 30")
+        processes[0].process.kill()  # SIGKILL: no flush, no goodbye
+        processes[0].wait()
+        await wait_until(lambda: engine.last_seq >= 90, "the engine went on without a bridge")
+        processes.append(BridgeProcess(args, tmp_path / "bridge.log"))
+        await asyncio.to_thread(engine.wait_idle)
+        await log.wait_for(lambda log: log.has_seq("engine-a", 150), "every step")
+        processes[1].signal(signal.SIGTERM)
+        assert processes[1].wait() == 0
+    assert "bridge started: 1 engines, 1 workers resumed" in (tmp_path / "bridge.log").read_text()
+    # Resumed from its last resume point, not from scratch: few seqs were written twice.
+    written = [r.seq for r in log.records_of("engine-a") if r.group_idx == 0]
+    assert len(written) - len(set(written)) < 60
+    for group, records in log.applied("engine-a").items():
+        assert {r.epoch for r in records} == {0}, "a bridge restart is not an engine restart"
+        rest = [r for r in records if r.seq > 0]
+        assert rest == by_group(expected_records("engine-a", 0, engine))[group]
+
+
+@pytest.mark.kafka
+async def test_sighup_reloads_the_engines_and_sigterm_flushes_state(
+    kafka_bootstrap: str, tmp_path: Path, processes: list[BridgeProcess]
+) -> None:
+    a, b = EngineThread("engine-a"), EngineThread("engine-b")
+    engines_file = tmp_path / "engines.toml"
+    engines_file.write_text(toml_engine(a))
+    prefix = unique_topic("bridge")
+    args = ["--kafka", kafka_bootstrap, "--topic-prefix", prefix, "--engines", str(engines_file)]
+    # Resume points are written when a worker's health changes, else once a minute: the last
+    # one can only come from the flush at shutdown.
+    args += ["--state-interval", "60", "--log-format", "json"]
+    log = KafkaLog(kafka_bootstrap, Topics(prefix))
+    with engines_running(a, b):
+        processes.append(BridgeProcess(args, tmp_path / "bridge.log"))
+        await a.published_all(10)
+        await log.wait_for(lambda log: log.has_seq("engine-a", 10), "engine-a's steps")
+        engines_file.write_text(toml_engine(a) + toml_engine(b))
+        processes[0].signal(signal.SIGHUP)
+        await b.published_all(10)
+        await log.wait_for(lambda log: log.has_seq("engine-b", 10), "engine-b, added by SIGHUP")
+        await a.published_all(5)
+        await log.wait_for(lambda log: log.has_seq("engine-a", 15), "engine-a's last steps")
+        processes[0].signal(signal.SIGTERM)
+        assert processes[0].wait() == 0
+    await log.wait_for(lambda log: log.state("engine-a") is not None, "the final states")
+    final_a, final_b = log.state("engine-a"), log.state("engine-b")
+    assert final_a is not None and (final_a.last_seq, final_a.health) == (15, "live")
+    assert final_b is not None and final_b.last_seq == 10
+    output = (tmp_path / "bridge.log").read_text()
+    assert '"message": "engines reloaded: engine-a, engine-b"' in output
+
+
+def toml_engine(engine: EngineThread) -> str:
+    return (
+        f'[[engines]]\nname = "{engine.name}"\n'
+        f'endpoint = "tcp://127.0.0.1:{engine.pub_port}"\n'
+        f'replay = "tcp://127.0.0.1:{engine.replay_port}"\n'
+        f'topic = "{TOPIC}"\n'
+    )
+
+
+def test_a_configuration_that_cannot_run_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad_toml = tmp_path / "engines.toml"
+    bad_toml.write_text('[[engines]]\nname = "a/b"\nendpoint = "tcp://h:1"\n')
+    cases = {
+        ("--engine", "no-endpoint"): "expected NAME=ENDPOINT",
+        ("--engine", "a=tcp://h:1,flavour=x"): "unknown option",
+        ("--engine", "a=tcp://h:1", "--engine", "a=tcp://h:2"): "unique",
+        ("--engines", str(bad_toml)): "contain no '/'",
+        (): "no engines",
+    }
+    for args, message in cases.items():
+        assert main(["bridge", *args]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_help_names_every_setting() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hmakv.cli", "bridge", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for flag in ("--engines", "--engine", "--bind-sub", "--kafka", "--topic-prefix",
+                 "--partitions", "--replication", "--compression", "--listen", "--max-replays",
+                 "--replay-timeout", "--queue-size", "HMAKV_BRIDGE_QUEUE_SIZE",
+                 "HMAKV_KAFKA_BOOTSTRAP"):  # fmt: skip
+        assert flag in result.stdout

@@ -1,0 +1,166 @@
+"""The demo's own rules, without services: when an index state may be compared with an engine
+answer, how /metrics pages and histograms are read, and the engine exit line the summary parses
+(taken from a real ``hmakv engine`` run, so a change of that line fails here first)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hmakv.demo.client import GroupSpecView, WorkerView
+from hmakv.demo.probe import holds_exactly, same_state
+from hmakv.demo.promtext import MetricsPage, bucket_difference, bucket_quantile
+from hmakv.demo.recordlog import RecordLog
+from hmakv.demo.summary import read_engine_exit
+
+HMAKV = Path(sys.executable).with_name("hmakv")
+FULL = GroupSpecView(kind="full_attention", block_size=16)
+WINDOW = GroupSpecView(kind="sliding_window", block_size=16, sliding_window=128)
+
+
+async def _never() -> dict[str, int]:
+    raise AssertionError("not called")
+
+
+def log_with(records: list[tuple[int, int]], worker: str = "w", epoch: int = 0) -> RecordLog:
+    """A record log that read (group, seq) records of one worker from the events topic."""
+    log = RecordLog("unused:9092", "hmakv.events", _never)
+    for group, seq in records:
+        log.note(
+            [
+                ("worker", worker.encode()),
+                ("group", str(group).encode()),
+                ("epoch", str(epoch).encode()),
+                ("seq", str(seq).encode()),
+            ]
+        )
+    return log
+
+
+def view(last_seq: dict[int, int], health: str = "live") -> WorkerView:
+    return WorkerView(
+        worker="w",
+        epoch=0,
+        health=health,
+        groups={0: FULL, 1: WINDOW},
+        last_seq=last_seq,
+        resident_blocks={},
+    )
+
+
+def test_a_state_whose_groups_all_have_their_last_record_is_that_seq() -> None:
+    log = log_with([(0, 1), (1, 1), (0, 2), (0, 3), (1, 4)])
+    assert holds_exactly(view({0: 3, 1: 1}), 3, log)  # group 1 had nothing at 2 or 3
+    assert holds_exactly(view({0: 3, 1: 4}), 4, log)
+
+
+def test_a_group_with_a_record_not_yet_applied_is_not_that_seq() -> None:
+    log = log_with([(0, 1), (1, 1), (0, 2), (1, 2)])
+    assert not holds_exactly(view({0: 2, 1: 1}), 2, log)  # group 1's record 2 is missing
+
+
+def test_a_group_ahead_of_the_seq_is_not_that_seq() -> None:
+    log = log_with([(0, 1), (1, 1), (0, 2), (1, 3)])
+    assert not holds_exactly(view({0: 2, 1: 3}), 2, log)
+
+
+def test_another_epochs_records_do_not_count() -> None:
+    log = log_with([(0, 1), (1, 1)], epoch=1)
+    assert not holds_exactly(view({0: 1, 1: 1}), 1, log)
+
+
+def test_a_redelivered_record_is_noted_once_and_order_is_kept() -> None:
+    log = log_with([(0, 5), (0, 3), (0, 5), (0, 4)])
+    assert log.last_record_at_or_before("w", 0, 0, 4) == 4
+    assert log.last_record_at_or_before("w", 0, 0, 2) is None
+    assert log.last_record_at_or_before("w", 0, 0, 9) == 5
+
+
+def test_headers_of_other_records_are_ignored() -> None:
+    log = log_with([])
+    log.note([("source", b"engine-a"), ("reason", b"undecodable")])
+    log.note(None)
+    assert log.last_record_at_or_before("engine-a", 0, 0, 10) is None
+
+
+def test_only_an_unchanged_live_worker_counts_as_one_state() -> None:
+    before = view({0: 3, 1: 1})
+    assert same_state(before, view({0: 3, 1: 1}))
+    assert not same_state(before, view({0: 4, 1: 1}))
+    assert not same_state(before, None)
+    assert not same_state(view({0: 3}, health="degraded"), view({0: 3}, health="degraded"))
+
+
+PAGE = """\
+# TYPE demo_age_seconds histogram
+demo_age_seconds_bucket{le="0.1"} 2.0
+demo_age_seconds_bucket{le="0.2"} 6.0
+demo_age_seconds_bucket{le="+Inf"} 8.0
+demo_age_seconds_count 8.0
+demo_age_seconds_sum 1.0
+# TYPE demo_events counter
+demo_events_total{worker="a"} 5.0
+demo_events_total{worker="b"} 7.0
+"""
+
+
+def test_pages_are_summed_by_label() -> None:
+    page = MetricsPage.parse(PAGE)
+    assert page.total("demo_events_total") == 12.0
+    assert page.total("demo_events_total", worker="b") == 7.0
+    assert page.by_label("demo_events_total", "worker") == {"a": 5.0, "b": 7.0}
+    assert page.total("absent_total") == 0.0
+
+
+def test_bucket_quantiles_interpolate_like_promql() -> None:
+    buckets = MetricsPage.parse(PAGE).buckets("demo_age_seconds")
+    assert buckets == [(0.1, 2.0), (0.2, 6.0), (float("inf"), 8.0)]
+    assert bucket_quantile(buckets, 0.5) == pytest.approx(0.15)  # rank 4: half way into (0.1, 0.2]
+    assert bucket_quantile(buckets, 0.25) == pytest.approx(0.1)
+    assert bucket_quantile(buckets, 0.99) == 0.2  # in +Inf: the largest finite bound
+    assert bucket_quantile([(0.1, 0.0), (float("inf"), 0.0)], 0.5) is None
+
+
+def test_a_window_of_a_histogram_is_the_difference_of_two_scrapes() -> None:
+    earlier = [(0.1, 2.0), (float("inf"), 3.0)]
+    later = [(0.1, 2.0), (float("inf"), 5.0)]
+    assert bucket_difference(later, earlier) == [(0.1, 0.0), (float("inf"), 2.0)]
+
+
+def test_the_engine_exit_line_is_read_from_a_real_engine(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    with log.open("wb") as sink:
+        result = subprocess.run(
+            [
+                str(HMAKV),
+                "engine",
+                "--no-model",
+                "--workload",
+                "none",
+                "--duration",
+                "0.5",
+                "--status-interval",
+                "0",
+                "--endpoint",
+                "tcp://*:0",
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 0, log.read_text()
+    exit_ = read_engine_exit(log)
+    assert exit_.events == 0  # no traffic: only the opening clear, which the engine does not count
+    assert exit_.last_seq == 0
+    assert exit_.dropped == 0
+
+
+def test_a_log_without_an_exit_line_reads_as_unknown(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text("engine 'a': profile gpt-oss-like\n")
+    assert read_engine_exit(log).events is None
+    assert read_engine_exit(tmp_path / "missing.log").last_seq is None
