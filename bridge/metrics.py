@@ -2,7 +2,7 @@
 
 Names are ``hmakv_bridge_*`` in base units; the only labels are the worker (bounded by the
 configuration, or by ``--max-workers`` for workers named by their topic), the group-free reason
-or kind enums below, and the health state.
+or kind enums below, the event type (``EVENT_TYPES``) and the health state.
 """
 
 from __future__ import annotations
@@ -12,6 +12,12 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bridge.records import HEALTH_STATES, Health
+from producer.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+# The event types the bridge counts: the known ones by name, any other as "unknown" (bounded).
+KNOWN_EVENT_CLASSES = (BlockStored, BlockRemoved, AllBlocksCleared)
+UNKNOWN_EVENT_TYPE = "unknown"
+EVENT_TYPES = (*(cls.__name__ for cls in KNOWN_EVENT_CLASSES), UNKNOWN_EVENT_TYPE)
 
 _LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _REPLAY_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -27,7 +33,11 @@ class BridgeMetrics:
             "hmakv_bridge_batches_received", "Live batches received, per worker", worker, registry=r
         )
         self.events_received = Counter(
-            "hmakv_bridge_events_received", "Events in live batches received", worker, registry=r
+            "hmakv_bridge_events_received",
+            "Events in live batches received, by type (unknown: skipped, and dead-lettered); "
+            "the known types sum to the events forwarded from live batches",
+            ("worker", "type"),
+            registry=r,
         )
         self.unknown_events = Counter(
             "hmakv_bridge_unknown_events",
@@ -160,11 +170,24 @@ class BridgeMetrics:
         for state in HEALTH_STATES:
             self.worker_health.labels(worker, state).set(1 if state == health else 0)
 
+    def start_worker(self, worker: str) -> None:
+        """Export a worker's incident counters at 0 from its start, so that queries over them
+        have a series before the first incident (no ``or vector(0)``)."""
+        for metric in (
+            self.gaps_detected,
+            self.gaps_unrecoverable,
+            self.batches_lost,
+            self.epochs_started,
+            self.delivery_failures,
+        ):
+            metric.labels(worker)
+        for by in ("replay", "snapshot"):
+            self.gaps_replayed.labels(worker, by)
+
     def forget_worker(self, worker: str) -> None:
         """Drop a removed worker's series, so the label set stays that of the configuration."""
         for metric in (
             self.batches_received,
-            self.events_received,
             self.unknown_events,
             self.gaps_detected,
             self.gaps_unrecoverable,
@@ -176,6 +199,8 @@ class BridgeMetrics:
             self.worker_last_seq,
         ):
             _remove(metric, worker)
+        for event_type in EVENT_TYPES:
+            _remove(self.events_received, worker, event_type)
         for by in ("replay", "snapshot"):
             _remove(self.gaps_replayed, worker, by)
         for reason in ("queue_full", "buffer_full"):

@@ -20,10 +20,12 @@ import enum
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+from prometheus_client import Counter as MetricCounter
 from zmq.utils.monitor import parse_monitor_message
 
 from bridge.board import WorkerBoard, WorkerView
@@ -38,7 +40,7 @@ from bridge.frames import (
     split_reply,
 )
 from bridge.logs import RateLimitedLog
-from bridge.metrics import BridgeMetrics
+from bridge.metrics import KNOWN_EVENT_CLASSES, UNKNOWN_EVENT_TYPE, BridgeMetrics
 from bridge.readable import Readable
 from bridge.records import DeadLetter
 from bridge.relay import WorkerRelay
@@ -169,9 +171,14 @@ class WorkerChannel:
         self._fetches: dict[int, asyncio.Task[None]] = {}
         self._room_waiter: asyncio.Task[None] | None = None
         self._batches = metrics.batches_received.labels(self.worker)
-        self._events = metrics.events_received.labels(self.worker)
+        self._events: dict[type, MetricCounter] = {
+            cls: metrics.events_received.labels(self.worker, cls.__name__)
+            for cls in KNOWN_EVENT_CLASSES
+        }
+        self._unknown_typed = metrics.events_received.labels(self.worker, UNKNOWN_EVENT_TYPE)
         self._duplicates = metrics.duplicates.labels(self.worker)
-        self._received_batches = self._received_events = 0
+        self._received_batches = 0
+        self._received_events: Counter[type] = Counter()
         tracker = relay.tracker
         board.add(
             self.worker,
@@ -186,6 +193,7 @@ class WorkerChannel:
             ),
         )
         sink.refusal_handlers[self.worker] = self.on_refused
+        metrics.start_worker(self.worker)
         metrics.set_health(self.worker, tracker.health)
         metrics.worker_epoch.labels(self.worker).set(tracker.epoch)
 
@@ -200,7 +208,7 @@ class WorkerChannel:
     def on_live(self, seq: int, decoded: DecodedBatch, frames: list[bytes]) -> None:
         batch = decoded.batch
         self._received_batches += 1
-        self._received_events += len(batch.events)
+        self._received_events.update(map(type, batch.events))  # counted in C, per class
         if decoded.unknown_event_types:
             self._unknown_events(seq, decoded, frames)
         tracker = self.relay.tracker
@@ -225,8 +233,10 @@ class WorkerChannel:
         batch, since every increment of a Prometheus counter takes a lock."""
         if self._received_batches:
             self._batches.inc(self._received_batches)
-            self._events.inc(self._received_events)
-            self._received_batches = self._received_events = 0
+            for cls, count in self._received_events.items():
+                self._events.get(cls, self._unknown_typed).inc(count)
+            self._received_batches = 0
+            self._received_events.clear()
 
     def on_undecodable(self, seq: int) -> None:
         self._apply(self.relay.tracker.on_undecodable(seq))
@@ -319,6 +329,7 @@ class WorkerChannel:
     def _unknown_events(self, seq: int, decoded: DecodedBatch, frames: list[bytes]) -> None:
         """Known events go on; the raw batch is kept too, for the events this code skipped."""
         self._metrics.unknown_events.labels(self.worker).inc(len(decoded.unknown_event_types))
+        self._unknown_typed.inc(len(decoded.unknown_event_types))
         types = ", ".join(sorted(set(decoded.unknown_event_types)))
         detail = f"unknown event types skipped, known events forwarded: {types}"
         self._office.reject(

@@ -55,14 +55,28 @@ class ApiLimits:
 
 @dataclass
 class ScoreStats:
-    """Score requests by outcome and their durations, for the exporter."""
+    """Score requests by outcome, their durations and what they answered, for the exporter.
+
+    Plain ints bumped per request and read by the collector at scrape time: the HMA-aware and the
+    group-blind answers' predicted hit tokens (each answer's best worker, 0 without one), summed
+    over answered requests, and how many requests the two answers named different best workers.
+    """
 
     requests: dict[str, int] = field(default_factory=lambda: {"ok": 0, "rejected": 0})
     duration: Buckets = field(default_factory=lambda: Buckets(SCORE_DURATION_BUCKETS))
+    hma_hit_tokens: int = 0
+    group_blind_hit_tokens: int = 0
+    best_differs: int = 0
 
     def record(self, outcome: str, seconds: float) -> None:
         self.requests[outcome] = self.requests.get(outcome, 0) + 1
         self.duration.observe(seconds)
+
+    def record_answer(self, hma_hit_tokens: int, blind: GroupBlindAnswer, best: str | None) -> None:
+        self.hma_hit_tokens += hma_hit_tokens
+        self.group_blind_hit_tokens += blind.hit_tokens
+        if blind.best != best:
+            self.best_differs += 1
 
 
 # ----------------------------------------------------------------------------- wire structs
@@ -303,13 +317,17 @@ class ScoreApi:
             s for s in index.score(hashes, num_tokens) if wanted is None or s.worker in wanted
         ]
         hits = [_hit(score) for score in scores]
+        best = next((hit for hit in hits if _eligible(hit) and hit.score > 0), None)
+        best_worker = best.worker if best is not None else None
+        blind = _group_blind(hits)
+        self.stats.record_answer(best.hit_tokens if best is not None else 0, blind, best_worker)
         return ScoreResponse(
-            best=next((hit.worker for hit in hits if _eligible(hit) and hit.score > 0), None),
+            best=best_worker,
             hash_block_size=index.hash_block_size,
             num_tokens=num_tokens,
             prompt_blocks=len(hashes),
             workers=hits,
-            group_blind=_group_blind(hits),
+            group_blind=blind,
         )
 
     def _worker_filter(self, workers: list[str] | None) -> set[str] | None:

@@ -234,6 +234,20 @@ class IndexCollector(Collector):
         yield stats.duration.family(
             f"{PREFIX}_score_duration_seconds", "Time to answer a score request, reading included"
         )
+        hits = CounterMetricFamily(
+            f"{PREFIX}_score_hit_tokens",
+            "Predicted hit tokens of each answer's best worker, summed over answered requests: "
+            "HMA-aware (hma) or ignoring cache groups (group_blind)",
+            labels=["answer"],
+        )
+        hits.add_metric(["hma"], stats.hma_hit_tokens)
+        hits.add_metric(["group_blind"], stats.group_blind_hit_tokens)
+        yield hits
+        yield CounterMetricFamily(
+            f"{PREFIX}_score_best_differs",
+            "Answered score requests whose group-blind best worker is not the HMA-aware one",
+            value=stats.best_differs,
+        )
 
 
 def index_registry(follower: Follower, score_stats: ScoreStats) -> CollectorRegistry:

@@ -33,7 +33,11 @@ class Tick:
     engines: dict[str, EngineStatus]
 
     def events_received(self, worker: str) -> float:
-        return self.bridge.total(f"{BRIDGE}_events_received_total", worker=worker)
+        """Known events received live (those forwarded): unknown types are skipped."""
+        name = f"{BRIDGE}_events_received_total"
+        return self.bridge.total(name, worker=worker) - self.bridge.total(
+            name, worker=worker, type="unknown"
+        )
 
     def records_forwarded(self) -> float:
         return self.bridge.total(f"{BRIDGE}_records_produced_total", topic="events")

@@ -171,9 +171,23 @@ async def test_every_kind_of_bad_frame_is_dead_lettered_and_counted_while_good_t
                     reason: metric(bridge, "hmakv_bridge_frames_rejected_total", reason=reason)
                     for reason in bad_frames
                 }
+                raw_events = {
+                    kind: bridge.metrics.registry.get_sample_value(
+                        "hmakv_bridge_events_received_total", {"worker": "raw", "type": kind}
+                    )
+                    for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown")
+                }
         finally:
             raw.close()
     assert counts == dict.fromkeys(bad_frames, 1.0)
+    # the raw worker's live batches that decoded: seq 0 (two stores), seq 3 (an unknown event
+    # and a removal), seq 4 (two stores, two removals); every type is exported, 0 included
+    assert raw_events == {
+        "BlockStored": 4.0,
+        "BlockRemoved": 3.0,
+        "AllBlocksCleared": 0.0,
+        "unknown": 1.0,
+    }
     letters = {d.reason: d for d in log.dead_letters}
     assert letters["frame_count"].frames == bad_frames["frame_count"]
     assert letters["payload_undecodable"].frames == bad_frames["payload_undecodable"]
@@ -285,6 +299,14 @@ async def test_health_readiness_and_metrics_endpoints(kafka_bootstrap: str) -> N
     for line in (
         'hmakv_bridge_batches_received_total{worker="engine-a"}',
         'hmakv_bridge_gaps_detected_total{worker="engine-a"} 1.0',
+        # incident counters are exported from the source's start, at 0 until the first one
+        'hmakv_bridge_gaps_unrecoverable_total{worker="engine-a"} 0.0',
+        'hmakv_bridge_gaps_replayed_total{by="snapshot",worker="engine-a"} 0.0',
+        'hmakv_bridge_batches_lost_total{worker="engine-a"} 0.0',
+        'hmakv_bridge_delivery_failures_total{worker="engine-a"} 0.0',
+        'hmakv_bridge_epochs_started_total{worker="engine-a"}',
+        'hmakv_bridge_events_received_total{type="AllBlocksCleared",worker="engine-a"}',
+        'hmakv_bridge_events_received_total{type="unknown",worker="engine-a"} 0.0',
         'hmakv_bridge_gaps_replayed_total{by="replay",worker="engine-a"} 1.0',
         'hmakv_bridge_replays_total{kind="replay",outcome="ended"}',
         'hmakv_bridge_worker_health{health="live",worker="engine-a"} 1.0',

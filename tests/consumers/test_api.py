@@ -8,12 +8,15 @@ the routes the app really serves and against the bodies it really answers with.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.records import EventRecord, Topics
 from consumers.api import ApiLimits, HashingDefaults, ScoreApi, ScoreStats, build_app
@@ -130,6 +133,57 @@ async def test_naive_group_blind_answer_is_reported_beside(client: TestClient[An
     assert status == 200
     assert answer["best"] == "evicted"
     assert answer["group_blind"] == {"best": "evicted", "hit_tokens": 8 * BLOCK}
+
+
+async def routing_counters(client: TestClient[Any, Any]) -> tuple[float, float, float]:
+    """(HMA-aware hit tokens, group-blind hit tokens, best differs) from /metrics."""
+    response = await client.get("/metrics")
+    assert response.status == 200
+    text = await response.text()
+    lint = subprocess.run(
+        [shutil.which("promtool") or "promtool", "check", "metrics"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (lint.returncode, lint.stdout + lint.stderr) == (0, "")
+    found = {
+        (sample.name, sample.labels.get("answer")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    return (
+        found[("hmakv_index_score_hit_tokens_total", "hma")],
+        found[("hmakv_index_score_hit_tokens_total", "group_blind")],
+        found[("hmakv_index_score_best_differs_total", None)],
+    )
+
+
+async def test_score_requests_add_each_answers_best_hit_and_count_disagreements(
+    client: TestClient[Any, Any],
+) -> None:
+    assert await routing_counters(client) == (0, 0, 0)  # exported before any request
+
+    # HMA-aware: "full" with 8 blocks. Group-blind: "evicted" and "full" tie at 8 blocks and
+    # the tie goes to the first name, "evicted": another worker, so the answers differ.
+    status, answer = await post_score(client, {"token_ids": PROMPT})
+    assert status == 200
+    assert (answer["best"], answer["group_blind"]["best"]) == ("full", "evicted")
+    assert await routing_counters(client) == (8 * BLOCK, 8 * BLOCK, 1)
+
+    # Only "evicted": both answers name it, HMA-aware with 4 blocks, group-blind with 8.
+    status, answer = await post_score(client, {"token_ids": PROMPT, "workers": ["evicted"]})
+    assert status == 200
+    assert await routing_counters(client) == (12 * BLOCK, 16 * BLOCK, 1)
+
+    # Only the degraded worker: neither answer has a best worker, so both add 0 and agree.
+    status, answer = await post_score(client, {"token_ids": PROMPT, "workers": ["lora"]})
+    assert status == 200 and answer["best"] is None and answer["group_blind"]["best"] is None
+    # A rejected request answers nothing and moves neither counter.
+    status, _ = await post_score(client, {"token_ids": []})
+    assert status == 400
+    assert await routing_counters(client) == (12 * BLOCK, 16 * BLOCK, 1)
 
 
 BAD_REQUESTS = [

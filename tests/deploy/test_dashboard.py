@@ -59,6 +59,8 @@ METRICS_OF_THE_STORY = (
     "hmakv_index_consumer_lag_records",
     "hmakv_bridge_worker_health",
     "hmakv_index_score_requests_total",
+    "hmakv_index_score_hit_tokens_total",
+    "hmakv_index_score_best_differs_total",
 )
 
 
