@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,11 @@ import pytest
 import zmq
 
 from hmakv.cli import build_parser, main
+from hmakv.kafka.process import free_port
 from producer.events import decode
 
 HMAKV = Path(sys.executable).with_name("hmakv")
 WAIT_S = 20.0  # bound on every wait; no test sleeps for a fixed time
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @contextmanager

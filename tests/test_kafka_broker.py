@@ -294,3 +294,18 @@ def test_cluster_ids_never_look_like_an_option() -> None:
     ids = [_new_cluster_id() for _ in range(2000)]
     assert all(len(cluster_id) == 22 and not cluster_id.startswith("-") for cluster_id in ids)
     assert len(set(ids)) == len(ids)
+
+
+def test_free_ports_are_bindable_and_below_the_ephemeral_range() -> None:
+    """Outgoing connections take their local ports from the ephemeral range, so a port chosen
+    there could be gone by the time a service binds it."""
+    import socket
+
+    from hmakv.kafka.process import _ephemeral_port_range, free_port
+
+    lowest_ephemeral = _ephemeral_port_range()[0]
+    for _ in range(20):
+        port = free_port()
+        assert 1024 <= port < lowest_ephemeral
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", port))

@@ -3,7 +3,6 @@ additions (leading clear, drops as gaps, non-blocking replies, snapshots, draini
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections import Counter
@@ -14,6 +13,7 @@ import msgspec
 import pytest
 import zmq
 
+from hmakv.kafka.process import free_port
 from producer.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -31,13 +31,6 @@ from producer.publisher import (
 
 WAIT_MS = 5000  # bound on every wait for a message; tests never sleep for a fixed time
 TOPIC = "kv-events"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def decode(payload: bytes) -> KVEventBatch:
@@ -65,7 +58,7 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 @pytest.fixture
 def endpoints() -> tuple[str, str]:
     """A PUB endpoint that binds (vLLM's wildcard form) and a replay endpoint on loopback."""
-    return f"tcp://*:{free_port('')}", f"tcp://127.0.0.1:{free_port()}"
+    return f"tcp://*:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
 
 
 def subscriber(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
@@ -242,7 +235,7 @@ def test_replay_starts_at_oldest_seq_the_ring_kept(
 def test_dp_rank_offsets_both_tcp_ports_and_stamps_batches(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    pub_port, replay_port = free_port("") - 2, free_port() - 2
+    pub_port, replay_port = free_port() - 2, free_port() - 2
     pub = ZmqEventPublisher(
         data_parallel_rank=2,
         endpoint=f"tcp://*:{pub_port}",

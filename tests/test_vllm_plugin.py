@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import msgspec
 import pytest
 import zmq
 
+from hmakv.kafka.process import free_port
 from producer import events as hmakv_events
 from producer import vllm_plugin
 from producer.publisher import ZmqEventPublisher
@@ -146,13 +146,6 @@ def kv_events(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 @pytest.fixture
 def opted_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(vllm_plugin.OPT_IN_ENV, "1")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @pytest.fixture

@@ -65,6 +65,23 @@ def _kafka(text: str) -> str:
     return text
 
 
+def _engine_choice(text: str) -> tuple[str, str, int | None]:
+    from hmakv.demo.config import parse_engine
+
+    try:
+        return parse_engine(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _env_engines() -> list[tuple[str, str, int | None]] | None:
+    """HMAKV_DEMO_ENGINE as a comma-separated list of PROFILE:WORKLOAD[:BLOCKS] (None: unset)."""
+    text = (_env("ENGINE") or "").strip()
+    if not text:
+        return None
+    return [_engine_choice(part) for part in text.split(",") if part.strip()]
+
+
 _engine_count.__name__ = "engine count (2 to 6)"
 _kafka.__name__ = "tansu, apache or HOST:PORT"
 
@@ -104,6 +121,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="N",
         help="how many engines, each with another cache layout (default 2: gpt-oss-like "
         "and gemma3-like)",
+    )
+    parser.add_argument(
+        "--engine",
+        dest="engine_choices",
+        action="append",
+        type=_engine_choice,
+        default=None,
+        metavar="PROFILE:WORKLOAD[:BLOCKS]",
+        help="run an engine with this profile, workload and pool size (default: the demo's for "
+        "the profile) instead of the --engines line-up; repeat for each engine, 2 to 6 "
+        "(env HMAKV_DEMO_ENGINE: comma-separated)",
     )
     parser.add_argument(
         "--rate",
@@ -150,12 +178,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from hmakv.demo.config import DemoConfig, default_workdir, engine_lineup
+    from hmakv.demo.config import DemoConfig, chosen_engines, default_workdir, engine_lineup
     from hmakv.demo.run import run_demo
 
     try:
-        engines = engine_lineup(args.engines, args.seed)
-    except ValueError as error:
+        choices = args.engine_choices or _env_engines()
+        if choices:
+            engines = chosen_engines(choices, args.seed)
+        else:
+            engines = engine_lineup(args.engines, args.seed)
+    except (ValueError, argparse.ArgumentTypeError) as error:
         print(f"hmakv demo: {error}", file=sys.stderr)
         return EXIT_BAD_USAGE
     config = DemoConfig(

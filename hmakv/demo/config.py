@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
 from hmakv.kafka import cache_dir
+from producer.engine.profiles import PROFILES
+from producer.engine.workloads import WORKLOADS
 
 
 class EmbeddedBroker(StrEnum):
@@ -47,23 +50,66 @@ ENGINE_LINEUP: tuple[tuple[str, str, int | None], ...] = (
     ("mixed-block-like", "documents", 512),
 )
 MIN_ENGINES = 2
+MAX_ENGINES = len(ENGINE_LINEUP)
+MIN_POOL_BLOCKS = 16
 
 
 def engine_lineup(count: int, seed: int) -> tuple[EngineSpec, ...]:
     """``count`` engines named engine-a, engine-b, ..., each with its own profile and seed."""
     if count < MIN_ENGINES:
         raise ValueError(f"the demo needs at least {MIN_ENGINES} engines, got {count}")
-    if count > len(ENGINE_LINEUP):
-        raise ValueError(f"the demo runs at most {len(ENGINE_LINEUP)} engines, got {count}")
+    if count > MAX_ENGINES:
+        raise ValueError(f"the demo runs at most {MAX_ENGINES} engines, got {count}")
+    return chosen_engines(ENGINE_LINEUP[:count], seed)
+
+
+ENGINE_WORKLOADS = tuple(w for w in WORKLOADS if w != "none")
+"""What ``--engine`` accepts: a workload with traffic (the probe draws its prompts from them)."""
+
+POOL_SIZES: dict[str, int | None] = {profile: blocks for profile, _, blocks in ENGINE_LINEUP}
+"""The demo's pool size per profile, whichever workload the engine runs."""
+
+
+EngineChoice = tuple[str, str, int | None]
+"""What ``--engine`` names: profile, workload and pool size (None: the demo's for the profile)."""
+
+
+def parse_engine(text: str) -> EngineChoice:
+    """``PROFILE:WORKLOAD[:BLOCKS]`` as ``--engine`` takes it; ValueError names what is wrong."""
+    parts = text.strip().split(":")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"engine {text!r}: expected PROFILE:WORKLOAD[:BLOCKS]")
+    profile, workload = parts[:2]
+    if profile not in PROFILES:
+        raise ValueError(f"engine {text!r}: unknown profile (one of {', '.join(PROFILES)})")
+    if workload not in ENGINE_WORKLOADS:
+        raise ValueError(
+            f"engine {text!r}: unknown workload (one of {', '.join(ENGINE_WORKLOADS)})"
+        )
+    if len(parts) == 2:
+        return profile, workload, None
+    blocks = parts[2]
+    if not blocks.isdigit() or int(blocks) < MIN_POOL_BLOCKS:
+        raise ValueError(f"engine {text!r}: BLOCKS must be a whole number >= {MIN_POOL_BLOCKS}")
+    return profile, workload, int(blocks)
+
+
+def chosen_engines(choices: Sequence[EngineChoice], seed: int) -> tuple[EngineSpec, ...]:
+    """Engines named engine-a, engine-b, ... with the given profiles, workloads and pool sizes
+    (the demo's for the profile where None), each with its own seed."""
+    if len(choices) < MIN_ENGINES:
+        raise ValueError(f"the demo needs at least {MIN_ENGINES} engines, got {len(choices)}")
+    if len(choices) > MAX_ENGINES:
+        raise ValueError(f"the demo runs at most {MAX_ENGINES} engines, got {len(choices)}")
     return tuple(
         EngineSpec(
             name=f"engine-{chr(ord('a') + index)}",
             profile=profile,
             workload=workload,
             seed=seed + index,
-            num_blocks=num_blocks,
+            num_blocks=POOL_SIZES[profile] if blocks is None else blocks,
         )
-        for index, (profile, workload, num_blocks) in enumerate(ENGINE_LINEUP[:count])
+        for index, (profile, workload, blocks) in enumerate(choices)
     )
 
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import json
 import logging
 import secrets
 import shutil
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -47,6 +48,7 @@ from hmakv.demo.summary import (
 from hmakv.demo.topics import delete_topics
 from hmakv.kafka import BrokerStartError, JarFetchError, LocalBroker, local_broker
 from hmakv.kafka.process import LOOPBACK, free_port
+from producer.engine.profiles import get_profile
 
 log = logging.getLogger(__name__)
 
@@ -283,16 +285,14 @@ class Demo:
         return argv
 
     def _bridge_argv(self) -> list[str]:
-        engines = [
-            f"{name}=tcp://{LOOPBACK}:{ports.pub_port},replay=tcp://{LOOPBACK}:{ports.replay_port}"
-            for name, ports in self.endpoints.items()
-        ]
+        engines_file = self.workdir / "bridge-engines.toml"
+        engines_file.write_text(bridge_engines_toml(self.config.engines, self.endpoints))
         return [
             *hmakv_command(),
             "bridge",
             "--kafka", self.bootstrap,
             "--topic-prefix", self.topic_prefix,
-            *(option for engine in engines for option in ("--engine", engine)),
+            "--engines", str(engines_file),
             "--listen", self.bridge_url.removeprefix("http://"),
         ]  # fmt: skip
 
@@ -470,6 +470,33 @@ class Demo:
         """The broker's data dir is temporary; its log goes to the workdir with the others."""
         with contextlib.suppress(OSError, RuntimeError):
             shutil.copyfile(broker.log_path, self.workdir / "kafka.log")
+
+
+def bridge_engines_toml(
+    specs: Sequence[EngineSpec], endpoints: Mapping[str, EngineEndpoints]
+) -> str:
+    """The bridge's engines file: each engine's endpoints and, for chunked local attention, the
+    chunk size, which never travels on the wire (without it the index falls back to the
+    full-attention rule for that group and under-reports hits once early chunks are evicted)."""
+    lines = []
+    for spec in specs:
+        ports = endpoints[spec.name]
+        lines += [
+            "[[engines]]",
+            f"name = {json.dumps(spec.name)}",
+            f'endpoint = "tcp://{LOOPBACK}:{ports.pub_port}"',
+            f'replay = "tcp://{LOOPBACK}:{ports.replay_port}"',
+        ]
+        chunked = [
+            f"{group} = {{ kind = {json.dumps(g.kind)}, block_size = {g.block_size}, "
+            f"chunk_size = {g.chunk_size} }}"
+            for group, g in enumerate(get_profile(spec.profile).groups)
+            if g.chunk_size is not None
+        ]
+        if chunked:
+            lines.append(f"groups = {{ {', '.join(chunked)} }}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _engine_endpoints() -> EngineEndpoints:

@@ -72,7 +72,14 @@ class EngineTotals(msgspec.Struct, kw_only=True):
     batches_dropped_by_publisher: int | None
     batches_forwarded: int
     events_received_live: int
+    removals_received_live: int
+    """BlockRemoved events among them: the engine evicted cached blocks (a lower bound: events
+    the bridge fetched as a replay are not counted)."""
     index_last_seq: int
+    answers_compared: int
+    """The probe's comparisons of this worker's hit at the same seq, engine and index."""
+    hma_agreeing: int
+    group_blind_agreeing: int
 
 
 class Pipeline(msgspec.Struct, kw_only=True):
@@ -166,7 +173,9 @@ def build_summary(
     facts: RunFacts, first: Tick, last: Tick, stats: ProbeStats, min_compared: int = 1
 ) -> Summary:
     """``first`` is the tick taken when probing began (ages are measured from there)."""
-    engines = [_engine_totals(spec, facts.exits.get(spec.name), last) for spec in facts.engines]
+    engines = [
+        _engine_totals(spec, facts.exits.get(spec.name), last, stats) for spec in facts.engines
+    ]
     pipeline = _pipeline(engines, last)
     routing = _routing(stats)
     problems = [*_unclean_exits(facts), *_problems(pipeline, routing, min_compared)]
@@ -197,7 +206,10 @@ def build_summary(
     )
 
 
-def _engine_totals(spec: EngineSpec, exit_: EngineExit | None, last: Tick) -> EngineTotals:
+def _engine_totals(
+    spec: EngineSpec, exit_: EngineExit | None, last: Tick, stats: ProbeStats
+) -> EngineTotals:
+    compared = [c for c in stats.comparisons if c.worker == spec.name]
     status = last.engines.get(spec.name)
     last_seq = exit_.last_seq if exit_ and exit_.last_seq is not None else None
     if last_seq is None:
@@ -222,7 +234,15 @@ def _engine_totals(spec: EngineSpec, exit_: EngineExit | None, last: Tick) -> En
         batches_dropped_by_publisher=exit_.dropped if exit_ else None,
         batches_forwarded=int(forwarded_seq + 1 - lost),
         events_received_live=int(last.events_received(spec.name)),
+        removals_received_live=int(
+            last.bridge.total(
+                f"{BRIDGE}_events_received_total", worker=spec.name, type="BlockRemoved"
+            )
+        ),
         index_last_seq=max(view.last_seq.values(), default=-1) if view else -1,
+        answers_compared=len(compared),
+        hma_agreeing=sum(1 for c in compared if c.hma == c.actual),
+        group_blind_agreeing=sum(1 for c in compared if c.group_blind == c.actual),
     )
 
 
@@ -381,7 +401,10 @@ def render_text(summary: Summary) -> str:
         lines.append(
             f"  {engine.worker} ({engine.profile}, {engine.workload}; {', '.join(engine.groups)}): "
             f"{_count(engine.events_published)} events in {engine.batches_published} batches, "
-            f"{engine.batches_forwarded} batches forwarded, index at seq {engine.index_last_seq}"
+            f"{engine.batches_forwarded} batches forwarded, index at seq {engine.index_last_seq}, "
+            f"{engine.removals_received_live} removals; "
+            f"agrees HMA-aware {engine.hma_agreeing}/{engine.answers_compared}, group-blind "
+            f"{engine.group_blind_agreeing}/{engine.answers_compared}"
         )
     lines += [
         f"  events     published {_count(p.events_published)}, received live by the bridge "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,11 +25,36 @@ _PROC = Path("/proc")
 
 
 def free_port() -> int:
-    """A loopback port nobody listens on right now (the kernel picks it, so no guessing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((LOOPBACK, 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A loopback port nobody listens on right now, below the kernel's ephemeral range.
+
+    The caller binds it later, often in another process. A port from the ephemeral range (what
+    ``bind(0)`` hands out) can meanwhile become the local end of some outgoing connection, such as
+    a Kafka client's, and the later bind fails; ports below that range are never handed out so.
+    """
+    lowest_ephemeral = _ephemeral_port_range()[0]
+    candidates = range(max(1024, lowest_ephemeral - _PORT_SPAN), lowest_ephemeral)
+    for _ in range(100):
+        port = _port_picker.choice(candidates)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free loopback port in {candidates.start}..{candidates.stop - 1}")
+
+
+# A private generator: tests that seed the global one (hypothesis does) must not repeat ports.
+_port_picker = random.Random()
+_PORT_SPAN = 12_000
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = (Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())[:2]
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def port_accepts(host: str, port: int) -> bool:

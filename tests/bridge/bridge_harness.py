@@ -33,19 +33,13 @@ from bridge.records import (
 )
 from bridge.service import BridgeService, BridgeSettings
 from hmakv.kafka import unique_topic
+from hmakv.kafka.process import free_port
 from producer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from producer.publisher import ZmqEventPublisher
 
 WAIT_S = 30.0  # bound on every wait for a condition; tests never sleep for a fixed time
 GROUPS = (0, 1)
 TOPIC = "kv-events"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def free_port_pair() -> int:

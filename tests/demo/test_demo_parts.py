@@ -10,11 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from bridge.config import load_engines_file
 from hmakv.demo.client import GroupSpecView, WorkerView
+from hmakv.demo.config import ENGINE_LINEUP, chosen_engines, engine_lineup, parse_engine
 from hmakv.demo.probe import holds_exactly, same_state
 from hmakv.demo.promtext import MetricsPage, bucket_difference, bucket_quantile
 from hmakv.demo.recordlog import RecordLog
+from hmakv.demo.run import EngineEndpoints, bridge_engines_toml
 from hmakv.demo.summary import read_engine_exit
+from producer.events import GroupSpec
 
 HMAKV = Path(sys.executable).with_name("hmakv")
 FULL = GroupSpecView(kind="full_attention", block_size=16)
@@ -164,3 +168,59 @@ def test_a_log_without_an_exit_line_reads_as_unknown(tmp_path: Path) -> None:
     log.write_text("engine 'a': profile gpt-oss-like\n")
     assert read_engine_exit(log).events is None
     assert read_engine_exit(tmp_path / "missing.log").last_seq is None
+
+
+def test_the_bridge_is_told_each_chunked_groups_chunk_size(tmp_path: Path) -> None:
+    """``chunk_size`` never travels on the wire: without it the index would apply the
+    full-attention rule to a chunked group and under-report hits once early chunks are evicted."""
+    engines = chosen_engines(
+        [("chunked-local-like", "chat", None), ("gpt-oss-like", "chat", 512)], 0
+    )
+    endpoints = {
+        "engine-a": EngineEndpoints(pub_port=5001, replay_port=5002, api_port=5003),
+        "engine-b": EngineEndpoints(pub_port=6001, replay_port=6002, api_port=6003),
+    }
+    path = tmp_path / "engines.toml"
+    path.write_text(bridge_engines_toml(engines, endpoints))
+    chunked, windowed = load_engines_file(path)
+    assert (chunked.name, chunked.endpoint, chunked.replay) == (
+        "engine-a",
+        "tcp://127.0.0.1:5001",
+        "tcp://127.0.0.1:5002",
+    )
+    assert chunked.groups == {
+        1: GroupSpec(kind="chunked_local_attention", block_size=16, chunk_size=64)
+    }
+    assert (windowed.name, windowed.endpoint, windowed.groups) == (
+        "engine-b",
+        "tcp://127.0.0.1:6001",
+        {},
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("swa-small:chat", ("swa-small", "chat", None)),
+        ("gemma3-like:documents:512", ("gemma3-like", "documents", 512)),
+    ],
+)
+def test_engine_choices_parse(text: str, expected: tuple[str, str, int | None]) -> None:
+    assert parse_engine(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["swa-small", "nope:chat", "swa-small:none", "swa-small:chat:8", "a:b:c:d"]
+)
+def test_bad_engine_choices_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="engine"):
+        parse_engine(text)
+
+
+def test_chosen_engines_get_names_seeds_and_the_demos_pool_sizes() -> None:
+    engines = chosen_engines([("swa-small", "chat", None), ("mamba-hybrid-like", "chat", 64)], 7)
+    assert [(e.name, e.profile, e.seed, e.num_blocks) for e in engines] == [
+        ("engine-a", "swa-small", 7, None),
+        ("engine-b", "mamba-hybrid-like", 8, 64),
+    ]
+    assert engine_lineup(6, 0) == chosen_engines(ENGINE_LINEUP, 0)

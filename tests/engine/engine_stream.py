@@ -8,7 +8,6 @@ replay endpoint, as the bridge does.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -26,13 +25,6 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         time.sleep(0.01)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class Subscriber:

@@ -31,12 +31,12 @@ from engine_stream import (
     batches_up_to,
     counts,
     events_of,
-    free_port,
     replay,
     snapshot,
     wait_until,
 )
 
+from hmakv.kafka.process import free_port
 from producer.engine.api import EngineStopped
 from producer.engine.hit_rule import find_longest_cache_hit
 from producer.engine.runner import Engine, EngineConfig, EngineSummary
