@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from producer.events import BlockRemoved, BlockStored, GroupSpec, KVEvent
 
 UNKNOWN_KIND = "unknown"  # vLLM's own name for a group whose kind it does not report
+_StoreKey = tuple[int, str | None, int | None, int]  # (group, kind, window, block size)
 
 
 class GroupCatalog:
@@ -32,7 +33,7 @@ class GroupCatalog:
         self._specs: dict[int, GroupSpec] = {**(learned or {}), **self._configured}
         self._seen: set[int] = set(self._specs)
         # (group, kind, window, block size) of stores already learned: the hot path's shortcut.
-        self._learned_keys: set[tuple[int, str | None, int | None, int]] = set()
+        self._learned_keys: set[_StoreKey] = set()
         self._groups = tuple(sorted(self._seen)) or (0,)
 
     @property
@@ -45,22 +46,27 @@ class GroupCatalog:
         return self._groups
 
     def learn(self, events: Iterable[KVEvent]) -> bool:
-        """Take in the groups of a batch's events; True when the catalog changed."""
+        """Take in the groups of a batch's events; True when the catalog changed.
+
+        Runs for every batch: an event whose group and spec are known already costs one tuple
+        and one set lookup.
+        """
         changed = False
+        learned, seen = self._learned_keys, self._seen
         for event in events:
-            if isinstance(event, BlockStored):
-                changed |= self._learn_store(event)
-            elif isinstance(event, BlockRemoved):
+            if type(event) is BlockStored:
+                group = event.group_idx or 0
+                window = event.kv_cache_spec_sliding_window
+                key = (group, event.kv_cache_spec_kind, window, event.block_size)
+                if key not in learned:
+                    changed |= self._learn_store(key, event)
+            elif type(event) is BlockRemoved and (event.group_idx or 0) not in seen:
                 changed |= self._see(event.group_idx or 0)
         return changed
 
-    def _learn_store(self, store: BlockStored) -> bool:
-        group = store.group_idx or 0
-        window = store.kv_cache_spec_sliding_window
-        key = (group, store.kv_cache_spec_kind, window, store.block_size)
-        if key in self._learned_keys:
-            return False
+    def _learn_store(self, key: _StoreKey, store: BlockStored) -> bool:
         self._learned_keys.add(key)
+        group = key[0]
         spec = self._spec_from(group, store)
         seen = self._see(group)
         if self._specs.get(group) == spec:

@@ -19,11 +19,16 @@ def fan_out(
     """The batch's records in group order; events keep the engine's order within a group."""
     by_group: dict[int, list[KVEvent]] = {}
     for event in batch.events:
-        if isinstance(event, AllBlocksCleared):
+        if type(event) is AllBlocksCleared:
             for group in groups:
                 by_group.setdefault(group, []).append(event)
         else:
-            by_group.setdefault(event.group_idx or 0, []).append(event)
+            group = event.group_idx or 0  # type: ignore[union-attr]
+            events = by_group.get(group)
+            if events is None:
+                by_group[group] = [event]
+            else:
+                events.append(event)
     rank = batch.data_parallel_rank
     return [
         EventRecord(worker, epoch, seq, batch.ts, group, by_group[group], rank)

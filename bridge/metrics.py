@@ -96,7 +96,7 @@ class BridgeMetrics:
         )
         self.batches_not_kept = Counter(
             "hmakv_bridge_batches_not_kept",
-            "Live batches the bridge could not hold (left to the engine's replay ring)",
+            "Live batches the bridge could not hold during a replay (fetched again later)",
             ("worker", "reason"),
             registry=r,
         )
@@ -120,6 +120,11 @@ class BridgeMetrics:
         self.send_retries = Counter(
             "hmakv_bridge_kafka_send_retries",
             "Record batches sent again after a retriable Kafka error",
+            registry=r,
+        )
+        self.queue_full = Counter(
+            "hmakv_bridge_queue_full_seconds",
+            "Time the Kafka queue was full, intake paused (engines and their rings held the rest)",
             registry=r,
         )
         self.queue_depth = Gauge(
@@ -161,7 +166,7 @@ class BridgeMetrics:
         )
         self.messages_per_wakeup = Histogram(
             "hmakv_bridge_messages_per_wakeup",
-            "Messages taken from a socket per wake-up of its receive loop",
+            "Messages taken from a socket per round of the intake (one round per tick at most)",
             buckets=_WAKEUP_BUCKETS,
             registry=r,
         )
@@ -203,8 +208,7 @@ class BridgeMetrics:
             _remove(self.events_received, worker, event_type)
         for by in ("replay", "snapshot"):
             _remove(self.gaps_replayed, worker, by)
-        for reason in ("queue_full", "buffer_full"):
-            _remove(self.batches_not_kept, worker, reason)
+        _remove(self.batches_not_kept, worker, "buffer_full")
         for state in HEALTH_STATES:
             _remove(self.worker_health, worker, state)
 

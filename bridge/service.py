@@ -24,6 +24,7 @@ from bridge.catalog import GroupCatalog
 from bridge.config import ConfigError, EngineConfig, WorkerAddress
 from bridge.frames import llmd_pod
 from bridge.health import Readiness, health_app, serve
+from bridge.intake import Intake
 from bridge.kafka_client import (
     KafkaSecurity,
     StartedProducer,
@@ -66,6 +67,7 @@ class BridgeSettings:
     max_replays: int = 4
     replay_timeout: float = 5.0
     queue_size: int = 10_000
+    rcvhwm: int = 10_000
     max_buffered: int = DEFAULT_MAX_BUFFERED
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_record_bytes: int = 8 * 1024 * 1024
@@ -75,6 +77,7 @@ class BridgeSettings:
     # request per broker in flight and one batch per partition waiting: a deeper pipeline
     # only makes smaller chunks.
     in_flight: int = 2
+    linger: float = 0.005  # seconds a small chunk may wait to grow before it is sent
     shutdown_timeout: float = 10.0
     kafka_retry: float = 2.0
     client_id: str = "hmakv-bridge"
@@ -108,7 +111,9 @@ class BridgeService:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._board = WorkerBoard(settings.state_interval)
         self._source_settings = SourceSettings(
-            max_payload_bytes=settings.max_payload_bytes, replay_timeout=settings.replay_timeout
+            max_payload_bytes=settings.max_payload_bytes,
+            replay_timeout=settings.replay_timeout,
+            rcvhwm=settings.rcvhwm,
         )
         self._replays = asyncio.Semaphore(settings.max_replays)
         self._channels: dict[str, WorkerChannel] = {}
@@ -118,6 +123,8 @@ class BridgeService:
         self._topic_workers: set[str] = set()  # workers named by an llm-d style topic
         self._producer: AIOKafkaProducer | None = None
         self._sink: KafkaSink | None = None
+        self._intake: Intake | None = None
+        self._intake_task: asyncio.Task[None] | None = None
         self._office: DeadLetterOffice | None = None
         self._runner: web.AppRunner | None = None
         self._probe: asyncio.Task[None] | None = None
@@ -142,9 +149,12 @@ class BridgeService:
             max_queued=self.settings.queue_size,
             # Without idempotence a failed chunk must be re-sent before anything later.
             in_flight=self.settings.in_flight if started.idempotent else 1,
+            linger=self.settings.linger,
             state_interval=self.settings.state_interval,
         )
         self._sink.start()
+        self._intake = Intake(self._sink)
+        self._intake_task = asyncio.create_task(self._intake.run(), name="hmakv-bridge-intake")
         self._office = DeadLetterOffice(
             self._sink, self.metrics, self._source_settings.dead_letter_max_bytes
         )
@@ -165,6 +175,8 @@ class BridgeService:
     async def stop(self) -> None:
         """Stop receiving, deliver what is queued (within the shutdown timeout), close."""
         tasks = [task for _, task in self._sources.values()]
+        if self._intake_task is not None:
+            tasks.append(self._intake_task)
         if self._bound is not None:
             tasks.append(self._bound[1])
         for task in tasks:
@@ -380,9 +392,14 @@ class BridgeService:
         return [address.worker for address in self._engines[engine_name].workers()]
 
     def _deps(self) -> SubscriberDeps:
-        assert self._office is not None
+        assert self._office is not None and self._intake is not None
         return SubscriberDeps(
-            self._ctx, self._office, self.metrics, self._source_settings, self._count_sources
+            self._ctx,
+            self._intake,
+            self._office,
+            self.metrics,
+            self._source_settings,
+            self._count_sources,
         )
 
     def _count_sources(self) -> None:

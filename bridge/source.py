@@ -8,9 +8,9 @@
 * ``BoundSource``: one SUB socket bound by the bridge that many engines connect to; each message
   goes to the worker its topic and DP rank name.
 
-Receiving drains the socket: one await per wake-up, then every message already there (up to a
-limit, for fairness between sources) is taken without awaiting, which is what lets one event
-loop keep up with many engines.
+Live messages come from the ``Intake`` (one task for every SUB socket, see ``bridge.intake``);
+replies to a fetch are read here, draining the DEALER per wake-up: one await, then every message
+already there (up to a limit, for fairness) without awaiting.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from bridge.frames import (
     split_live,
     split_reply,
 )
+from bridge.intake import Intake
 from bridge.logs import RateLimitedLog
 from bridge.metrics import KNOWN_EVENT_CLASSES, UNKNOWN_EVENT_TYPE, BridgeMetrics
 from bridge.readable import Readable
@@ -73,10 +74,10 @@ Route = Callable[[bytes, "int | None"], "WorkerChannel | str"]
 class SourceSettings:
     max_payload_bytes: int
     replay_timeout: float
-    # Messages one socket may hand over per turn of the event loop: with many engines, more
-    # would starve the sink's loops until the queue is full.
+    # Reply messages one fetch may hand over per turn of the event loop: with many replays at
+    # once, more would starve the sink's loops until the queue is full.
     receive_limit: int = 64
-    rcvhwm: int = 100_000
+    rcvhwm: int = 10_000
     dead_letter_max_bytes: int = 512 * 1024
 
 
@@ -169,7 +170,6 @@ class WorkerChannel:
         self._office = office
         self._settings = settings
         self._fetches: dict[int, asyncio.Task[None]] = {}
-        self._room_waiter: asyncio.Task[None] | None = None
         self._batches = metrics.batches_received.labels(self.worker)
         self._events: dict[type, MetricCounter] = {
             cls: metrics.events_received.labels(self.worker, cls.__name__)
@@ -211,22 +211,7 @@ class WorkerChannel:
         self._received_events.update(map(type, batch.events))  # counted in C, per class
         if decoded.unknown_event_types:
             self._unknown_events(seq, decoded, frames)
-        tracker = self.relay.tracker
-        if tracker.fetching or self._sink.has_room():
-            self._apply(tracker.on_live(seq, batch))
-            return
-        self._metrics.batches_not_kept.labels(self.worker, "queue_full").inc()
-        incidents.warning(
-            f"queue_full:{self.worker}",
-            "%s: Kafka queue full, seq %d left to the engine's replay ring",
-            self.worker,
-            seq,
-            worker=self.worker,
-            seq=seq,
-        )
-        self._apply(tracker.on_live_dropped(seq))
-        if self._room_waiter is None:
-            self._room_waiter = asyncio.create_task(self._catch_up_when_room())
+        self._apply(self.relay.tracker.on_live(seq, batch))
 
     def flush_counts(self) -> None:
         """Add what was received since the last call to the metrics: once per wake-up, not per
@@ -246,8 +231,6 @@ class WorkerChannel:
 
     async def close(self) -> None:
         tasks = [*self._fetches.values()]
-        if self._room_waiter is not None:
-            tasks.append(self._room_waiter)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -336,13 +319,6 @@ class WorkerChannel:
             self.worker, Rejected(RejectReason.UNKNOWN_EVENT_TYPE, detail, frames, seq)
         )
 
-    async def _catch_up_when_room(self) -> None:
-        try:
-            await self._sink.wait_for_room()
-        finally:
-            self._room_waiter = None
-        self._apply(self.relay.tracker.on_sink_ready())
-
     # --- fetches ---------------------------------------------------------------------------------
 
     def _cancel(self, fetch_id: int) -> None:
@@ -421,6 +397,7 @@ class SubscriberDeps:
     """What every source needs from the service; ``on_state`` hears of connection changes."""
 
     ctx: zmq.Context[zmq.Socket[bytes]]
+    intake: Intake
     office: DeadLetterOffice
     metrics: BridgeMetrics
     settings: SourceSettings
@@ -434,6 +411,7 @@ class _Subscriber(ABC):
         self.name = name
         self.state = SourceState.CONNECTING
         self._ctx = deps.ctx
+        self._intake = deps.intake
         self._office = deps.office
         self._metrics = deps.metrics
         self._settings = deps.settings
@@ -445,21 +423,18 @@ class _Subscriber(ABC):
             self._on_state()
 
     async def _receive_forever(self, sub: zmq.Socket[bytes]) -> None:
-        readable = Readable(sub)
-        wakeups = self._metrics.messages_per_wakeup
+        """The intake receives from ``sub`` for as long as this source runs."""
+        self._intake.add(sub, self._on_messages)
         try:
-            while True:
-                messages = await receive_ready(sub, readable, self._settings.receive_limit)
-                assert messages is not None  # no timeout given
-                wakeups.observe(len(messages))
-                for frames in messages:
-                    self._on_message(frames)
-                self._flush_counts()
-                # A socket that always has more would keep the loop from every other source
-                # and from the sink: let them run before draining again.
-                await asyncio.sleep(0)
+            await asyncio.get_running_loop().create_future()  # until cancelled
         finally:
-            readable.close()
+            self._intake.remove(sub)
+
+    def _on_messages(self, messages: list[list[bytes]]) -> None:
+        self._metrics.messages_per_wakeup.observe(len(messages))
+        for frames in messages:
+            self._on_message(frames)
+        self._flush_counts()
 
     @abstractmethod
     def _on_message(self, frames: list[bytes]) -> None: ...

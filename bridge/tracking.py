@@ -21,8 +21,8 @@ How the shell must drive it:
 
 * ``start()`` once (it catches a resumed worker up), and ``on_connected`` each time the live
   stream (re)connects: what was published meanwhile only a replay can tell.
-* ``on_live`` for each live batch the sink has room for, ``on_live_dropped`` for each it has
-  not (the engine's replay ring then holds it), and ``on_sink_ready`` when room comes back.
+* ``on_live`` for each live batch (the shell stops receiving while Kafka's queue is full, so
+  nothing is dropped here; what the engine then drops shows as a gap).
 * For each ``Fetch``: ask the engine's replay socket from ``start_seq`` (or for a snapshot),
   feed every reply batch to ``on_fetched`` and the end marker to ``on_fetch_end``, or call
   ``on_fetch_failed`` when the reply stalls. A ``CancelFetch`` (or a newer ``Fetch``) ends the
@@ -273,21 +273,6 @@ class SequenceTracker:
         else:
             self._hold(seq, batch, steps)
             self._open_gap(seq, steps)
-        return self._finish(steps)
-
-    def on_live_dropped(self, seq: int) -> list[Step]:
-        """A live batch the sink had no room for: it still proves what the engine published."""
-        steps: list[Step] = []
-        if self.live_high is not None and seq <= self.live_high:
-            self._restart("the live sequence went backwards", steps, keep_buffer=False)
-        self._note_live(seq)
-        return self._finish(steps)
-
-    def on_sink_ready(self) -> list[Step]:
-        """Room is back: fetch what was dropped while there was none."""
-        steps: list[Step] = []
-        if self._fetch is None and self.live_high is not None and self.live_high >= self.next_seq:
-            self._open_gap(self.live_high + 1, steps)
         return self._finish(steps)
 
     def on_undecodable(self, seq: int) -> list[Step]:

@@ -316,3 +316,14 @@ def engines_running(*engines: EngineThread) -> Iterator[None]:
 def metric(service: BridgeService, name: str, **labels: str) -> float:
     value = service.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
+
+
+async def metric_reaches(
+    service: BridgeService, name: str, least: float, timeout: float = WAIT_S, **labels: str
+) -> None:
+    """Until the metric is at least ``least``: the sink counts after Kafka's acknowledgement,
+    which a consumer may see first."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while metric(service, name, **labels) < least:
+        assert asyncio.get_running_loop().time() < deadline, f"{name}{labels} never reached {least}"
+        await asyncio.sleep(0.02)

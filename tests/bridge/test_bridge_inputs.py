@@ -21,6 +21,7 @@ from bridge_harness import (
     expected_records,
     free_port,
     metric,
+    metric_reaches,
     running_bridge,
     settings_for,
     step_batch,
@@ -272,6 +273,7 @@ async def test_health_readiness_and_metrics_endpoints(kafka_bootstrap: str) -> N
         async with running_bridge(settings, [engine.config, unreachable]) as bridge:
             log = KafkaLog(kafka_bootstrap, settings.topics)
             await log.wait_for(lambda log: log.has_seq("engine-a", 10), "ten steps")
+            await metric_reaches(bridge, "hmakv_bridge_records_produced_total", 1, topic="events")
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"{base}/healthz") as response:
                     assert (response.status, await response.text()) == (200, "ok\n")

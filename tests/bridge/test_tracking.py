@@ -234,17 +234,6 @@ def test_a_resumed_position_from_another_life_starts_a_new_epoch_and_replays_fro
     assert only_fetch(steps).start_seq == 0
 
 
-def test_a_full_sink_leaves_a_gap_that_is_replayed_when_room_comes_back() -> None:
-    tracker = SequenceTracker(can_fetch=True)
-    tracker.on_live(0, batch(0))
-    assert tracker.on_live_dropped(1) == []
-    assert tracker.on_live_dropped(2) == []
-    steps = tracker.on_sink_ready()
-    assert GapDetected(1, 3) in steps
-    assert only_fetch(steps).start_seq == 0
-    assert tracker.on_sink_ready() == []  # already replaying
-
-
 def test_a_gap_published_after_the_replay_request_is_replayed_not_lost() -> None:
     tracker = SequenceTracker(can_fetch=True)
     tracker.on_live(0, batch(0))
@@ -254,16 +243,16 @@ def test_a_gap_published_after_the_replay_request_is_replayed_not_lost() -> None
     again = only_fetch(tracker.on_fetch_end(snapshot.fetch_id))
     tracker.on_fetched(again.fetch_id, 2, batch(2))
     tracker.on_fetch_end(again.fetch_id)
-    # seqs 3 and 4 were published before the next request; 5 and 6 after it, and got lost live
-    tracker.on_live_dropped(3)
-    tracker.on_live_dropped(4)
-    replay = only_fetch(tracker.on_sink_ready())
-    tracker.on_live(7, batch(7))
+    # seqs 3 and 4 got lost live and are seen missing at 5; 6 is lost live during the replay
+    replay = only_fetch(tracker.on_live(5, batch(5)))
+    assert tracker.on_live(7, batch(7)) == []  # held until the replay ends
     steps = tracker.on_fetch_end(replay.fetch_id)  # the ring had lost 3 and 4 already
     assert GapUnrecoverable(3, 5, "the replay ring no longer reaches back") in steps
-    # 5 and 6 may well be in the ring: ask, from seq 2 (the last batch forwarded, to verify)
-    assert only_fetch(steps).start_seq == 2
-    assert tracker.next_seq == 5
+    assert [s.seq for s in steps if isinstance(s, Forward)] == [5]
+    # 6 may well be in the ring: ask, from seq 5 (the last batch forwarded, to verify)
+    assert GapDetected(6, 7) in steps
+    assert only_fetch(steps).start_seq == 5
+    assert tracker.next_seq == 6
 
 
 def test_the_live_buffer_is_bounded_and_overflow_is_replayed_later() -> None:

@@ -1,9 +1,10 @@
 """The SequenceTracker against a model of an engine and its sockets, under any interleaving.
 
 The model is a publisher with a replay ring (vLLM's protocol: PUB, ROUTER replay, snapshot
-requests), a lossy PUB->SUB channel (HWM and slow-joiner drops), a sink that is sometimes full,
-engine restarts (what a dead engine sent arrives before its successor's first batch), batches
-the publisher drops from its queue, and payloads nobody can decode.
+requests), a lossy PUB->SUB channel (HWM and slow-joiner drops; a full Kafka queue only delays
+delivery, since the bridge then stops receiving), engine restarts (what a dead engine sent
+arrives before its successor's first batch), batches the publisher drops from its queue, and
+payloads nobody can decode.
 Hypothesis interleaves these freely; whatever happens, the tracker's output (the worker's Kafka
 log) must satisfy the guarantees in ``bridge.tracking``'s docstring, and under loss-free
 conditions it must be exactly what the engine published.
@@ -115,12 +116,10 @@ class World:
 
     # --- the sockets ---
 
-    def deliver(self, *, sink_full: bool = False) -> None:
+    def deliver(self) -> None:
         entry = self.channel.popleft()
         if entry.corrupt:
             self.apply(self.tracker.on_undecodable(entry.seq))
-        elif sink_full:
-            self.apply(self.tracker.on_live_dropped(entry.seq))
         else:
             self.apply(self.tracker.on_live(entry.seq, self.batch(entry)))
 
@@ -192,13 +191,11 @@ class World:
             self.publish_clear()
         elif op == "restart":
             self.restart()
-        elif op in ("deliver", "deliver_sink_full", "lose_live") and self.channel:
+        elif op in ("deliver", "lose_live") and self.channel:
             if op == "lose_live":
                 self.lose_live()
             else:
-                self.deliver(sink_full=op == "deliver_sink_full")
-        elif op == "sink_ready":
-            self.apply(self.tracker.on_sink_ready())
+                self.deliver()
         elif request is not None:
             self._step_request(op, request)
 
@@ -226,10 +223,7 @@ class World:
             elif request is not None:
                 self.end_reply()
             else:
-                before = len(self.log)
-                self.apply(self.tracker.on_sink_ready())
-                if len(self.log) == before and self.request is None:
-                    return
+                return
         raise AssertionError("the tracker never settled")
 
 
@@ -241,8 +235,6 @@ LOSSY_OPS = [
     "deliver",
     "deliver",
     "lose_live",
-    "deliver_sink_full",
-    "sink_ready",
     "serve",
     "reply",
     "reply",
@@ -258,8 +250,6 @@ EXACT_LOSS_OPS = [  # every loss is the publisher's own (dropped or undecodable 
     "deliver",
     "deliver",
     "lose_live",
-    "deliver_sink_full",
-    "sink_ready",
     "serve",
     "reply",
     "reply",
@@ -267,14 +257,12 @@ EXACT_LOSS_OPS = [  # every loss is the publisher's own (dropped or undecodable 
     "publish_corrupt",
     "publish_clear",
 ]
-LOSS_FREE_OPS = [  # live loss and a full sink: a big enough ring repairs both
+LOSS_FREE_OPS = [  # live loss: a big enough ring repairs it
     "publish",
     "publish",
     "deliver",
     "deliver",
     "lose_live",
-    "deliver_sink_full",
-    "sink_ready",
     "serve",
     "reply",
     "reply",

@@ -1,0 +1,103 @@
+"""Every SUB socket of the bridge drained by one task, once per tick while traffic flows.
+
+Engines publish one batch per scheduler step, so at fleet scale messages trickle in on many
+sockets at once, a few per socket per millisecond. A task per socket would wake for nearly every
+message, and each wake-up (the event loop's poll, a task step, ZMQ's ``EVENTS`` check, the
+metrics) cost more than the batch itself. Here one task takes whatever every socket holds, then
+sleeps one ``tick`` (2 ms by default) so that the next round finds several messages per socket:
+the wait adds at most a tick to a batch's latency and divides the wake-ups by the fleet's size.
+An idle bridge sleeps on the sockets' file descriptors instead, so an idle fleet costs nothing.
+
+A full Kafka queue stops the whole intake before anything is received: what the engines send
+meanwhile waits in the ZMQ queues and, past their high-water marks, in the engines' replay rings.
+
+ZMQ's FD is edge-triggered and only says "look at ``EVENTS``": a round reads every socket's
+``EVENTS`` (which re-arms its FD) before the task sleeps, so a message is never slept through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from bridge.sink import KafkaSink
+
+Handler = Callable[[list[list[bytes]]], None]  # the messages one socket had, in order
+
+DEFAULT_TICK_S = 0.002
+# Messages one socket may hand over per round: beyond it the next round starts at once, after
+# the event loop has run everything else once (the sink's loops, fetches, the health server).
+DEFAULT_ROUND_LIMIT = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Registration:
+    fd: int
+    handler: Handler
+
+
+class Intake:
+    def __init__(
+        self,
+        sink: KafkaSink,
+        *,
+        tick: float = DEFAULT_TICK_S,
+        round_limit: int = DEFAULT_ROUND_LIMIT,
+    ) -> None:
+        self._sink = sink
+        self._tick = tick
+        self._round_limit = round_limit
+        self._sockets: dict[zmq.Socket[bytes], _Registration] = {}
+        self._signal = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+
+    def add(self, sock: zmq.Socket[bytes], handler: Handler) -> None:
+        """Receive from ``sock`` until ``remove``; the handler gets its messages in order."""
+        fd: int = sock.FD
+        self._loop.add_reader(fd, self._signal.set)
+        self._sockets[sock] = _Registration(fd, handler)
+        self._signal.set()  # messages may be waiting already: the FD only tells of new ones
+
+    def remove(self, sock: zmq.Socket[bytes]) -> None:
+        """Stop receiving from ``sock`` (before the caller closes it)."""
+        registration = self._sockets.pop(sock, None)
+        if registration is not None:
+            self._loop.remove_reader(registration.fd)
+
+    async def run(self) -> None:
+        while True:
+            await self._signal.wait()
+            self._signal.clear()
+            while True:
+                await self._sink.wait_for_room()
+                received, more = self._round()
+                if not received:
+                    break
+                # Let the next messages gather, unless a socket had more than a round's worth.
+                await asyncio.sleep(0 if more else self._tick)
+
+    def _round(self) -> tuple[bool, bool]:
+        """Take what every socket holds; (anything received, some socket has more)."""
+        received = more = False
+        for sock, registration in list(self._sockets.items()):
+            messages = self._drain(sock)
+            if messages:
+                received = True
+                more |= len(messages) == self._round_limit
+                registration.handler(messages)
+        return received, more
+
+    def _drain(self, sock: zmq.Socket[bytes]) -> list[list[bytes]]:
+        messages: list[list[bytes]] = []
+        events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
+        if not events & zmq.POLLIN:
+            return messages
+        try:
+            while len(messages) < self._round_limit:
+                messages.append(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            pass
+        return messages
