@@ -18,12 +18,10 @@ ZMQ's FD is edge-triggered and only says "look at ``EVENTS``": a round reads eve
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import zmq
-
-from bridge.sink import KafkaSink
 
 Handler = Callable[[list[list[bytes]]], None]  # the messages one socket had, in order
 
@@ -40,14 +38,16 @@ class _Registration:
 
 
 class Intake:
+    """``wait_for_room`` returns once the Kafka queue has room (``KafkaSink.wait_for_room``)."""
+
     def __init__(
         self,
-        sink: KafkaSink,
+        wait_for_room: Callable[[], Awaitable[None]],
         *,
         tick: float = DEFAULT_TICK_S,
         round_limit: int = DEFAULT_ROUND_LIMIT,
     ) -> None:
-        self._sink = sink
+        self._wait_for_room = wait_for_room
         self._tick = tick
         self._round_limit = round_limit
         self._sockets: dict[zmq.Socket[bytes], _Registration] = {}
@@ -72,7 +72,7 @@ class Intake:
             await self._signal.wait()
             self._signal.clear()
             while True:
-                await self._sink.wait_for_room()
+                await self._wait_for_room()
                 received, more = self._round()
                 if not received:
                     break

@@ -153,7 +153,7 @@ class BridgeService:
             state_interval=self.settings.state_interval,
         )
         self._sink.start()
-        self._intake = Intake(self._sink)
+        self._intake = Intake(self._sink.wait_for_room)
         self._intake_task = asyncio.create_task(self._intake.run(), name="hmakv-bridge-intake")
         self._office = DeadLetterOffice(
             self._sink, self.metrics, self._source_settings.dead_letter_max_bytes

@@ -1,0 +1,159 @@
+"""The intake against real ZMQ PUB/SUB pairs: everything arrives, in order, batched per round."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+import zmq
+
+from bridge.intake import Intake
+
+WAIT_S = 10.0
+
+
+class Gate:
+    """Stands in for the Kafka queue's room: intake may receive while it is open."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.open.set()
+
+    async def wait(self) -> None:
+        await self.open.wait()
+
+
+@contextlib.contextmanager
+def pub_sub_pairs(count: int) -> Iterator[list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pairs = []
+    try:
+        for _ in range(count):
+            pub = ctx.socket(zmq.PUB)
+            port = pub.bind_to_random_port("tcp://127.0.0.1")
+            sub = ctx.socket(zmq.SUB)
+            sub.connect(f"tcp://127.0.0.1:{port}")
+            sub.subscribe(b"")
+            pairs.append((pub, sub))
+        yield pairs
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def subscribed(pairs: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]) -> None:
+    """Until every subscription reached its PUB: probes are sent until one arrives."""
+    for pub, sub in pairs:
+        async with asyncio.timeout(WAIT_S):
+            while not sub.poll(0):
+                pub.send_multipart([b"probe"])
+                await asyncio.sleep(0.01)
+        while sub.poll(0):
+            sub.recv_multipart()
+
+
+@contextlib.asynccontextmanager
+async def running(intake: Intake) -> AsyncIterator[None]:
+    task = asyncio.create_task(intake.run())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while not condition():
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        raise AssertionError(f"never got {what}") from None
+
+
+async def test_every_socket_delivers_everything_in_order_several_messages_a_round() -> None:
+    gate = Gate()
+    intake = Intake(gate.wait, tick=0.005)
+    received: dict[int, list[bytes]] = defaultdict(list)
+    rounds: list[int] = []
+    with pub_sub_pairs(4) as pairs:
+        await subscribed(pairs)
+        for index, (_, sub) in enumerate(pairs):
+
+            def handler(messages: list[list[bytes]], index: int = index) -> None:
+                rounds.append(len(messages))
+                received[index].extend(frames[1] for frames in messages)
+
+            intake.add(sub, handler)
+        async with running(intake):
+            for n in range(200):
+                for index, (pub, _) in enumerate(pairs):
+                    pub.send_multipart([b"t", f"{index}:{n}".encode()])
+                if n % 50 == 49:
+                    await asyncio.sleep(0.02)  # bursts, as engines flush
+            await until(lambda: sum(map(len, received.values())) == 800, "every message")
+    for index in range(4):
+        assert received[index] == [f"{index}:{n}".encode() for n in range(200)]
+    assert max(rounds) > 1, "every round took one message: nothing was batched"
+
+
+async def test_nothing_is_received_while_the_queue_is_full_and_everything_after() -> None:
+    gate = Gate()
+    intake = Intake(gate.wait, tick=0.001)
+    received: list[bytes] = []
+    with pub_sub_pairs(1) as pairs:
+        await subscribed(pairs)
+        pub, sub = pairs[0]
+        intake.add(sub, lambda messages: received.extend(m[1] for m in messages))
+        async with running(intake):
+            pub.send_multipart([b"t", b"first"])
+            await until(lambda: received == [b"first"], "the first message")
+            gate.open.clear()
+            for n in range(100):
+                pub.send_multipart([b"t", str(n).encode()])
+            # Not a timing assertion: nothing may arrive while the gate is shut, however long.
+            await asyncio.sleep(0.1)
+            assert received == [b"first"]
+            gate.open.set()
+            await until(lambda: len(received) == 101, "the held messages")
+    assert received[1:] == [str(n).encode() for n in range(100)]
+
+
+async def test_a_removed_socket_is_no_longer_read() -> None:
+    gate = Gate()
+    intake = Intake(gate.wait, tick=0.001)
+    received: dict[str, list[bytes]] = defaultdict(list)
+    with pub_sub_pairs(2) as pairs:
+        await subscribed(pairs)
+        (pub_a, sub_a), (pub_b, sub_b) = pairs
+        intake.add(sub_a, lambda messages: received["a"].extend(m[1] for m in messages))
+        intake.add(sub_b, lambda messages: received["b"].extend(m[1] for m in messages))
+        async with running(intake):
+            pub_a.send_multipart([b"t", b"1"])
+            await until(lambda: received["a"] == [b"1"], "a's first message")
+            intake.remove(sub_a)
+            pub_a.send_multipart([b"t", b"2"])
+            pub_b.send_multipart([b"t", b"1"])
+            await until(lambda: received["b"] == [b"1"], "b's message")
+            await asyncio.sleep(0.05)
+        assert sub_a.poll(1000) and sub_a.recv_multipart() == [b"t", b"2"]  # left in the socket
+    assert received["a"] == [b"1"]
+
+
+@pytest.mark.parametrize("limit", [1, 7])
+async def test_a_socket_with_more_than_a_round_holds_gets_the_rest_next_rounds(limit: int) -> None:
+    gate = Gate()
+    intake = Intake(gate.wait, tick=0.001, round_limit=limit)
+    rounds: list[int] = []
+    with pub_sub_pairs(1) as pairs:
+        await subscribed(pairs)
+        pub, sub = pairs[0]
+        for n in range(50):
+            pub.send_multipart([b"t", str(n).encode()])
+        await asyncio.sleep(0.05)  # all queued in the SUB socket before the intake starts
+        intake.add(sub, lambda messages: rounds.append(len(messages)))
+        async with running(intake):
+            await until(lambda: sum(rounds) == 50, "every message")
+    assert max(rounds) == limit
