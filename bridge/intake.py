@@ -11,8 +11,10 @@ An idle bridge sleeps on the sockets' file descriptors instead, so an idle fleet
 A full Kafka queue stops the whole intake before anything is received: what the engines send
 meanwhile waits in the ZMQ queues and, past their high-water marks, in the engines' replay rings.
 
-ZMQ's FD is edge-triggered and only says "look at ``EVENTS``": a round reads every socket's
-``EVENTS`` (which re-arms its FD) before the task sleeps, so a message is never slept through.
+ZMQ's FD only says "look at ``EVENTS``", and stays readable until someone does: each FD is
+watched only while the intake is idle, and dropped from the event loop as soon as it fires, or
+the loop would spin on it through every tick. A round reads every socket's ``EVENTS`` before the
+intake goes idle again, so a message is never slept through.
 """
 
 from __future__ import annotations
@@ -51,24 +53,29 @@ class Intake:
         self._tick = tick
         self._round_limit = round_limit
         self._sockets: dict[zmq.Socket[bytes], _Registration] = {}
+        self._watched: set[int] = set()  # FDs the event loop watches for the intake now
         self._signal = asyncio.Event()
         self._loop = asyncio.get_running_loop()
 
     def add(self, sock: zmq.Socket[bytes], handler: Handler) -> None:
         """Receive from ``sock`` until ``remove``; the handler gets its messages in order."""
         fd: int = sock.FD
-        self._loop.add_reader(fd, self._signal.set)
         self._sockets[sock] = _Registration(fd, handler)
+        self._watch(fd)
         self._signal.set()  # messages may be waiting already: the FD only tells of new ones
 
     def remove(self, sock: zmq.Socket[bytes]) -> None:
         """Stop receiving from ``sock`` (before the caller closes it)."""
         registration = self._sockets.pop(sock, None)
-        if registration is not None:
+        if registration is not None and registration.fd in self._watched:
+            self._watched.discard(registration.fd)
             self._loop.remove_reader(registration.fd)
 
     async def run(self) -> None:
         while True:
+            for registration in self._sockets.values():
+                if registration.fd not in self._watched:
+                    self._watch(registration.fd)
             await self._signal.wait()
             self._signal.clear()
             while True:
@@ -78,6 +85,15 @@ class Intake:
                     break
                 # Let the next messages gather, unless a socket had more than a round's worth.
                 await asyncio.sleep(0 if more else self._tick)
+
+    def _watch(self, fd: int) -> None:
+        self._watched.add(fd)
+        self._loop.add_reader(fd, self._fired, fd)
+
+    def _fired(self, fd: int) -> None:
+        self._watched.discard(fd)
+        self._loop.remove_reader(fd)
+        self._signal.set()
 
     def _round(self) -> tuple[bool, bool]:
         """Take what every socket holds; (anything received, some socket has more)."""
