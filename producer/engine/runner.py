@@ -230,7 +230,10 @@ class Engine:
             self.publisher.shutdown()
             raise
         self.counters = EngineCounters()
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        # Not a SimpleQueue: on CPython 3.11 its get(timeout=...) can block forever when a
+        # signal interrupts it near the deadline, and the engine thread waits here between
+        # steps, where SIGTERM lands (tests/engine/test_runner.py has the signal storm).
+        self._commands: queue.Queue[_Command] = queue.Queue()
         self._admission_waiters: dict[str, Future[AdmissionResult]] = {}
         self._api_requests = 0
         self._stop = threading.Event()

@@ -367,3 +367,34 @@ def test_queries_to_a_stopped_engine_fail_instead_of_hanging() -> None:
 
     assert isinstance(pending.exception(timeout=WAIT_S), EngineStopped)
     assert isinstance(engine.status().exception(timeout=WAIT_S), EngineStopped)
+
+
+SIGNAL_STORM = """
+import os, signal, threading, time
+from producer.engine.runner import Engine, EngineConfig
+
+signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+engine = Engine(EngineConfig(
+    profile="swa-small", workload="none", use_model=False, duration=3.0,
+    endpoint="tcp://127.0.0.1:{pub}", replay_endpoint="tcp://127.0.0.1:{replay}",
+))
+
+def storm():
+    while True:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.0005)
+
+threading.Thread(target=storm, daemon=True).start()
+engine.run()
+print("stopped")
+"""
+
+
+def test_the_engine_thread_keeps_turning_through_a_storm_of_signals() -> None:
+    """Signals landing while the idle engine waits for commands must never wedge it: SIGTERM
+    arrives exactly there. (CPython 3.11's SimpleQueue.get(timeout) could block forever.)"""
+    script = SIGNAL_STORM.format(pub=free_port(), replay=free_port())
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "stopped"), done.stderr[-2000:]
