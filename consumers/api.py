@@ -312,10 +312,7 @@ class ScoreApi:
     def _score(self, request: ScoreRequest) -> ScoreResponse:
         index = self.follower.index
         hashes, num_tokens = self._prompt(request, index.hash_block_size)
-        wanted = self._worker_filter(request.workers)
-        scores = [
-            s for s in index.score(hashes, num_tokens) if wanted is None or s.worker in wanted
-        ]
+        scores = index.score(hashes, num_tokens, workers=self._worker_filter(request.workers))
         hits = [_hit(score) for score in scores]
         best = next((hit for hit in hits if _eligible(hit) and hit.score > 0), None)
         best_worker = best.worker if best is not None else None

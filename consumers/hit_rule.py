@@ -6,7 +6,8 @@ not longer than the candidate, and every group's acceptance only grows with what
 fixed point is simply the longest length, a multiple of the alignment (LCM of the groups' block
 sizes) and at most ``num_tokens - 1``, that every group accepts. Here a group's acceptance of a
 length is a bitset over worker slots, so one descending scan answers for every worker at once and
-costs time in the prompt's blocks, not in workers times blocks.
+costs time in the prompt's blocks, not in workers times blocks. Every group's bitsets travel
+packed in one int per block (a ``Column``), as the index stores them.
 
 What a group needs for a hit of ``k`` of its blocks (``single_type_kv_cache_manager.py``):
 
@@ -21,10 +22,11 @@ Not modelled: EAGLE's dropped last block and fine-grained (sub-block) mamba hits
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from functools import reduce
-from itertools import accumulate, compress, count, repeat, takewhile
-from operator import and_
+from itertools import accumulate, compress, count, groupby, islice, repeat, takewhile
+from operator import and_, itemgetter, ne
 from typing import Literal
 
 import msgspec
@@ -74,41 +76,118 @@ def alignment(rules: Sequence[GroupRule]) -> int:
     return math.lcm(*(rule.block_size for rule in rules))
 
 
+RUN_SEARCH_LIMIT = 32  # runs found one by one up to this many; more: one pass over every block
+
+
+class Column:
+    """Which workers hold each of a prompt's blocks, every group at once, as runs.
+
+    A block's value packs every group lane's worker bitset (see ``consumers.index``), so one AND
+    of two values ANDs every group's bitsets. Neighbouring blocks mostly have equal values (a
+    shared prefix is held by the same workers block after block), so the column keeps one value
+    per run of equal neighbours: run ``i`` covers blocks ``edges[i]`` to ``edges[i + 1] - 1`` and
+    ``held[i]`` is its value. Every question is then a bisect over the runs and a few ANDs: a
+    prompt costs its lookups and time in its runs, not in its blocks times its groups.
+    """
+
+    __slots__ = ("_prefix", "edges", "held")
+
+    def __init__(self, values: list[int]) -> None:
+        self.held: list[int] = list(map(itemgetter(0), groupby(values)))
+        self.edges = [*_run_starts(values, self.held), len(values)]
+        self._prefix: list[int] | None = None
+
+    def prefix(self) -> list[int]:
+        """``prefix[i]``: the AND of runs ``0..i-1`` (-1, everyone, for i = 0), up to the first 0.
+
+        One left-to-right scan over the runs, stopped at the first one no group of anyone holds
+        through: it answers every length of every prefix group (and reads no further).
+        """
+        if self._prefix is None:
+            self._prefix = list(takewhile(bool, accumulate(self.held, and_, initial=-1)))
+        return self._prefix
+
+    def held_through(self, blocks: int) -> int:
+        """Who holds every block before ``blocks`` (-1 for none asked), per lane."""
+        prefix = self.prefix()
+        runs = bisect_left(self.edges, blocks)
+        return prefix[runs] if runs < len(prefix) else 0
+
+    def held_between(self, start: int, stop: int) -> int:
+        """Who holds every block of ``start..stop-1`` (-1 for none asked), per lane."""
+        if start >= stop:
+            return -1
+        first = bisect_right(self.edges, start) - 1
+        return reduce(and_, islice(self.held, first, bisect_left(self.edges, stop)))
+
+    def longest_held(self, wanted: int, blocks: int) -> int:
+        """The longest length, at most ``blocks``, whose every block a bit of ``wanted`` holds.
+
+        ``prefix`` only loses bits, so this bisects it.
+        """
+        prefix = self.prefix()
+        low, high = 0, min(bisect_left(self.edges, blocks), len(prefix) - 1)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if prefix[middle] & wanted:
+                low = middle
+            else:
+                high = middle - 1
+        return min(blocks, self.edges[low])
+
+    def last_held(self, wanted: int, below: int) -> int:
+        """One past the last block before ``below`` holding any bit of ``wanted``; 0 if none."""
+        run = bisect_left(self.edges, below) - 1
+        if run < 0 or self.held[run] & wanted:
+            return below if run >= 0 else 0  # mostly: the block before the length is held
+        earlier = islice(reversed(self.held), len(self.held) - run, None)
+        found = next(compress(count(run - 1, -1), map(and_, earlier, repeat(wanted))), -1)
+        return self.edges[found + 1] if found >= 0 else 0
+
+
+def _run_starts(values: list[int], held: list[int]) -> list[int]:
+    """Where each run of ``held`` starts in ``values``: found value by value while they are
+    few, else in one pass comparing every block with the next."""
+    if len(held) > RUN_SEARCH_LIMIT:
+        return [0, *compress(count(1), map(ne, values, islice(values, 1, None)))]
+    starts = [0] if held else []
+    start = 0
+    # Neighbouring runs differ, so the next run's value first appears where that run starts.
+    for value in islice(held, 1, None):
+        start = values.index(value, start)
+        starts.append(start)
+    return starts
+
+
 class Acceptance:
     """Which workers one group accepts a hit of a given length for.
 
-    ``resident[j]`` is the bitset of workers holding the group's block ``j`` of the prompt (read
-    lazily, and only up to the first block nobody holds, for full attention); ``everyone`` is
-    the bitset of workers being scored.
+    It reads the group's lane of a shared ``Column``: bits ``shift`` and up of each packed value.
+    ``accepts`` answers with those bits shifted down to worker slots, higher lanes' bits above
+    them (or -1 for everyone): callers AND it with the workers they ask about.
     """
 
-    __slots__ = ("_everyone", "_prefix", "_resident", "rule")
+    __slots__ = ("_column", "_shift", "rule")
 
-    def __init__(self, rule: GroupRule, resident: Iterable[int], everyone: int) -> None:
+    def __init__(self, rule: GroupRule, column: Column, shift: int) -> None:
         self.rule = rule
-        self._everyone = everyone
-        self._resident: list[int] = []
-        self._prefix: list[int] = []
-        if rule.rule == "prefix":
-            # Full attention is downward-closed: one left-to-right AND scan, stopped at the first
-            # length nobody holds, answers every length (and reads no further).
-            self._prefix = list(takewhile(bool, accumulate(resident, and_, initial=everyone)))
-        else:
-            self._resident = resident if isinstance(resident, list) else list(resident)
+        self._column = column
+        self._shift = shift
 
     def accepts(self, tokens: int) -> int:
         """Workers this group accepts a hit of ``tokens`` for (a multiple of its block size)."""
         rule = self.rule
         blocks = tokens // rule.block_size
+        column = self._column
         if rule.rule == "prefix":
-            return self._prefix[blocks] if blocks < len(self._prefix) else 0
+            return column.held_through(blocks) >> self._shift
         if rule.rule == "window":
-            window = self._resident[max(0, blocks - rule.window_blocks) : blocks]
-            return reduce(and_, window, self._everyone)
-        if rule.rule == "state":
-            return self._resident[blocks - 1] if blocks else self._everyone
-        chunk_start = tokens // rule.chunk_size * rule.chunk_size // rule.block_size
-        return reduce(and_, self._resident[chunk_start:blocks], self._everyone)
+            start = max(0, blocks - rule.window_blocks)
+        elif rule.rule == "state":
+            start = max(0, blocks - 1)
+        else:
+            start = tokens // rule.chunk_size * rule.chunk_size // rule.block_size
+        return column.held_between(start, blocks) >> self._shift
 
     def bound(self, workers: int, tokens: int) -> int:
         """The longest length, at most ``tokens``, at which any of ``workers`` may be accepted.
@@ -119,21 +198,12 @@ class Acceptance:
         """
         rule = self.rule
         blocks = tokens // rule.block_size
+        wanted = workers << self._shift
         if rule.rule == "prefix":
-            prefix = self._prefix
-            low, high = 0, min(blocks, len(prefix) - 1)
-            while low < high:
-                middle = (low + high + 1) // 2
-                if prefix[middle] & workers:
-                    low = middle
-                else:
-                    high = middle - 1
-            return low * rule.block_size
+            return self._column.longest_held(wanted, blocks) * rule.block_size
         if rule.rule == "chunk":
             return tokens
-        blocks = min(blocks, len(self._resident))
-        held = map(and_, reversed(self._resident[:blocks]), repeat(workers))
-        return next(compress(count(blocks, -1), held), 0) * rule.block_size
+        return self._column.last_held(wanted, blocks) * rule.block_size
 
 
 def longest_hits(
@@ -145,15 +215,8 @@ def longest_hits(
     """
     remaining = everyone
     hits: list[tuple[int, int]] = []
-    tokens = max_tokens // align * align
+    tokens = _settle(acceptances, remaining, max_tokens // align * align, align)
     while remaining and tokens > 0:
-        bound = tokens
-        for acceptance in acceptances:
-            bound = acceptance.bound(remaining, bound)
-        bound = bound // align * align
-        if bound < tokens:
-            tokens = bound
-            continue
         accepted = remaining
         for acceptance in acceptances:
             accepted &= acceptance.accepts(tokens)
@@ -162,7 +225,29 @@ def longest_hits(
         if accepted:
             hits.append((tokens, accepted))
             remaining ^= accepted
-        tokens -= align
+        if remaining:
+            tokens = _settle(acceptances, remaining, tokens - align, align)
     if remaining:
         hits.append((0, remaining))
     return hits
+
+
+def _settle(acceptances: Sequence[Acceptance], workers: int, tokens: int, align: int) -> int:
+    """The longest aligned length, at most ``tokens``, that no group's bound rules out.
+
+    Each bound is idempotent, so when only the first group lowers the length (and alignment
+    leaves it), the others have already agreed to it and no second round is needed.
+    """
+    while tokens > 0:
+        bound = tokens
+        settled = True
+        for position, acceptance in enumerate(acceptances):
+            lower = acceptance.bound(workers, bound)
+            if lower != bound:
+                settled = settled and not position
+                bound = lower
+        aligned = bound // align * align
+        if aligned == tokens or (settled and aligned == bound):
+            return aligned
+        tokens = aligned
+    return 0

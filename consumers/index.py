@@ -5,13 +5,23 @@ one per worker, epoch, seq and group) to it; the score API and the exporter read
 
 Why it is shaped this way:
 
-- One *lane* per (group_idx, medium) maps a block hash to an int bitset over worker slots (bit
-  set: that worker holds at least one copy). Memory grows with distinct (hash, lane) pairs, not
-  with workers times blocks, and scoring ANDs the whole fleet in one integer operation per block.
+- One dict per medium maps a block hash to one int that packs every group's worker bitset: each
+  cache group gets a *lane* of ``width`` bits, and worker slot ``s`` holds the hash in the group of
+  lane ``p`` when bit ``p * width + s`` is set. Lane 0 is every group at once (the worker holds
+  the hash in some group), which is the group-blind answer's lane and the worker set's bit. A
+  hash is stored once however many groups hold it (a window group's blocks are mostly the
+  full-attention group's), so memory grows with distinct hashes, not with workers times groups
+  times blocks; one lookup per block answers for every group, and ANDing a prompt's packed ints
+  runs every group's prefix scan at once.
+- Equal ints are shared objects where it is cheap: an int held by one worker alone is that
+  worker's (``_Worker.patterns``), so a hash nobody shares costs its dict entry and nothing more,
+  and a store or removal over a run of blocks with equal holders makes one int for the run.
+  Scoring reads a prompt as runs of equal values (``hit_rule.Column``).
+- ``width`` starts at 8 slots and doubles when a worker's slot does not fit: every packed int is
+  re-spread lane by lane then (rare: the fleet outgrows a power of two).
 - vLLM can hold two copies of one hash in one group (vLLM #48933, #55092); the rare counts above
-  one live in a side table per (lane, slot), so a removal clears the bit only with the last copy.
-- A worker's first copy of a hash stores that worker's own single-bit int object, so a hash that
-  only one worker holds costs a dict entry but no int of its own.
+  one live in a side table per (medium, group, slot), so a removal clears the bit only with the
+  last copy.
 - The bridge delivers at least once: the last applied seq per (worker, epoch, group) makes a
   replayed record a no-op, an older epoch is ignored and a newer one clears the worker first.
 """
@@ -20,10 +30,11 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from functools import reduce
-from itertools import repeat
-from operator import or_
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from functools import cache, partial, reduce
+from itertools import compress, groupby, repeat
+from operator import and_, attrgetter, or_
+from typing import NamedTuple
 
 import msgspec
 
@@ -31,6 +42,7 @@ from bridge.records import HEALTH_STATES, EventRecord, Health
 from consumers.hit_rule import (
     WINDOW_KINDS,
     Acceptance,
+    Column,
     GroupRule,
     alignment,
     longest_hits,
@@ -41,14 +53,17 @@ from producer.events import MEDIUM_GPU, BlockRemoved, BlockStored, ExternalBlock
 DEFAULT_HASH_BLOCK_SIZE = 16
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
 FULL_COPY_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
+ROSTER_SETS = 1024  # worker sets whose names a score call may reuse
+INITIAL_LANE_WIDTH = 8  # worker slots per group lane, doubled whenever the fleet outgrows it
 
-LaneKey = tuple[int, str]
-HoldersOf = Callable[[ExternalBlockHash, int], int]  # a lane's owners.get: hash -> worker bitset
+LaneKey = tuple[int, str]  # (group, medium)
+Media = tuple[str, ...]
 # What a score call answers per worker: the hit, each group's own hit, each tier's, the blind one.
 AnswerKey = tuple[str, int | str]
 _HIT: AnswerKey = ("hit", 0)
 _BLIND: AnswerKey = ("blind", 0)
+_GPU_ONLY: Media = (MEDIUM_GPU,)
 
 
 class ApplyOutcome(enum.Enum):
@@ -113,12 +128,34 @@ class WorkerScore(msgspec.Struct, frozen=True, gc=False):
 
 
 class _Worker:
-    __slots__ = ("bit", "epoch", "groups", "health", "last_seq", "name", "resident", "slot")
+    """One worker's state. ``bit`` is its bit in a worker set, and in lane 0 (any group).
+
+    ``mine`` is its bit in every group's lane and ``others`` every bit not its own, so
+    ``held & others == 0`` says a packed int is held by this worker alone; ``patterns`` interns
+    such ints.
+    """
+
+    __slots__ = (
+        "bit",
+        "epoch",
+        "groups",
+        "health",
+        "last_seq",
+        "mine",
+        "name",
+        "others",
+        "patterns",
+        "resident",
+        "slot",
+    )
 
     def __init__(self, name: str, slot: int) -> None:
         self.name = name
         self.slot = slot
         self.bit = 1 << slot
+        self.mine = 0
+        self.others = -1
+        self.patterns: dict[int, int] = {}
         self.epoch = 0
         self.health: Health = "live"
         self.groups: dict[int, GroupSpec] = {}
@@ -126,24 +163,31 @@ class _Worker:
         self.resident: dict[LaneKey, int] = {}
 
 
-class _Lane:
-    __slots__ = ("copies", "key", "owners")
+class _Medium:
+    __slots__ = ("copies", "owners")
 
-    def __init__(self, key: LaneKey) -> None:
-        self.key = key
+    def __init__(self) -> None:
+        # hash -> packed worker bitsets of every group lane; a hash nobody holds has no entry.
         self.owners: dict[ExternalBlockHash, int] = {}
-        # slot -> hash -> copies beyond the first; only hashes with two or more copies appear.
-        self.copies: dict[int, dict[ExternalBlockHash, int]] = {}
+        # (group, slot) -> hash -> copies beyond the first; only hashes with two or more appear.
+        self.copies: dict[tuple[int, int], dict[ExternalBlockHash, int]] = {}
 
 
 class _CatalogClass:
-    """Workers sharing one group catalog: the hit rule runs once for all of them."""
+    """Workers sharing one group catalog: the hit rule runs once for all of them.
 
-    __slots__ = ("align", "everyone", "rules")
+    ``shifts`` are the rules' lane offsets in the packed ints (a group that never stored reads an
+    always-empty lane past the last one).
+    """
 
-    def __init__(self, rules: tuple[GroupRule, ...], everyone: int) -> None:
+    __slots__ = ("align", "everyone", "rules", "shifts")
+
+    def __init__(
+        self, rules: tuple[GroupRule, ...], everyone: int, shifts: tuple[int, ...]
+    ) -> None:
         self.rules = rules
         self.everyone = everyone
+        self.shifts = shifts
         self.align = alignment(rules) if rules else 0
 
 
@@ -175,12 +219,17 @@ class KVIndex:
         self.tiers: tuple[tuple[str, float], ...] = tuple(
             sorted(weights.items(), key=lambda tier: -tier[1])
         )
+        self._gpu_weight = weights.get(MEDIUM_GPU, 0.0)
         self._workers: dict[str, _Worker] = {}
         self._by_slot: dict[int, _Worker] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
-        self._lanes: dict[LaneKey, _Lane] = {}
+        self._everyone = 0
+        self._media: dict[str, _Medium] = {}
+        self._lanes: dict[int, int] = {}  # group -> lane (from 1), in order of first store
+        self._width = INITIAL_LANE_WIDTH
         self._classes: list[_CatalogClass] | None = None
+        self._named: _Roster | None = None
         self._counters = IndexCounters()
 
     # ----------------------------------------------------------------------------- applying
@@ -201,11 +250,12 @@ class KVIndex:
         for event in record.events:
             if isinstance(event, BlockStored):
                 self._learn_group(worker, group, event)
-                self._store(worker, self._lane((group, event.medium or MEDIUM_GPU)), event)
+                self._store(worker, group, event.medium or MEDIUM_GPU, event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                self._remove(worker, (group, event.medium or MEDIUM_GPU), event.block_hashes)
+                self._remove(worker, group, event.medium or MEDIUM_GPU, event.block_hashes)
             else:
-                self._clear_group(worker, group)
+                self._drop(worker, (group,))
+                self._counters.cleared += 1
         return ApplyOutcome.APPLIED
 
     def set_catalog(self, worker: str, groups: Mapping[int, GroupSpec]) -> None:
@@ -225,17 +275,30 @@ class KVIndex:
         if health not in HEALTH_STATES:
             raise ValueError(f"health must be one of {HEALTH_STATES}, got {health!r}")
         self._worker(worker).health = health
+        self._named = None
 
     def forget_worker(self, worker: str) -> None:
         """Drop a worker that left the fleet, and free its slot for the next one."""
         state = self._workers.pop(worker, None)
         if state is None:
             return
-        for lane in self._lanes.values():
-            self._drop_from_lane(state, lane)
+        self._drop(state, self._lanes)
         del self._by_slot[state.slot]
         heapq.heappush(self._free_slots, state.slot)
-        self._classes = None
+        self._everyone &= ~state.bit
+        self._classes = self._named = None
+
+    def forget_group(self, worker: str, group: int) -> None:
+        """Drop one worker's group on every medium, e.g. when its partition is revoked.
+
+        Its last applied seq goes too, so that reading the group's records again applies them
+        instead of ignoring them as replays; the group's spec stays (the catalog says it exists).
+        """
+        state = self._workers.get(worker)
+        if state is None:
+            return
+        self._drop(state, (group,))
+        state.last_seq.pop(group, None)
 
     def _worker(self, name: str) -> _Worker:
         worker = self._workers.get(name)
@@ -244,15 +307,62 @@ class KVIndex:
                 slot = heapq.heappop(self._free_slots)
             else:
                 slot, self._next_slot = self._next_slot, self._next_slot + 1
+            if slot >= self._width:
+                self._widen(slot + 1)
             worker = self._workers[name] = self._by_slot[slot] = _Worker(name, slot)
-            self._classes = None
+            self._spread(worker)
+            self._everyone |= worker.bit
+            self._classes = self._named = None
         return worker
 
-    def _lane(self, key: LaneKey) -> _Lane:
-        lane = self._lanes.get(key)
+    def _spread(self, worker: _Worker) -> None:
+        """Set the worker's bits in every lane, after a lane is added or the lanes widen."""
+        width = self._width
+        worker.mine = reduce(or_, (worker.bit << lane * width for lane in self._lanes.values()), 0)
+        worker.others = ~(worker.mine | worker.bit)
+
+    def _lane_bit(self, worker: _Worker, group: int) -> int:
+        """The worker's bit in the group's lane (added on first use), as its shared object."""
+        lane = self._lanes.get(group)
         if lane is None:
-            lane = self._lanes[key] = _Lane(key)
-        return lane
+            lane = self._lanes[group] = len(self._lanes) + 1
+            for each in self._workers.values():
+                self._spread(each)
+            self._classes = None
+        bit = worker.bit << lane * self._width
+        return worker.patterns.setdefault(bit, bit)
+
+    def _widen(self, slots: int) -> None:
+        """Double the lanes' width until ``slots`` workers fit, re-spreading every packed int.
+
+        Equal ints become one object (the memo), which keeps single-worker ints interned.
+        """
+        old, width = self._width, _fitting_width(self._width, slots)
+        moves = [(lane * old, lane * width) for lane in (0, *self._lanes.values())]
+        spread = cache(partial(_moved, moves=moves, mask=(1 << old) - 1))
+        for medium in self._media.values():
+            owners = medium.owners
+            for block_hash, held in owners.items():
+                owners[block_hash] = spread(held)
+        self._width = width
+        for worker in self._workers.values():
+            worker.patterns = {spread(held): spread(held) for held in worker.patterns}
+            self._spread(worker)
+        self._classes = None
+
+    def _intern(self, held: int) -> int:
+        """The shared object for a packed int held by one worker alone; others as they are."""
+        lowest = held & -held  # in lane 0, which every holder has a bit in
+        owner = self._by_slot.get(lowest.bit_length() - 1)
+        if owner is None or held & owner.others:
+            return held
+        return owner.patterns.setdefault(held, held)
+
+    def _medium(self, name: str) -> _Medium:
+        medium = self._media.get(name)
+        if medium is None:
+            medium = self._media[name] = _Medium()
+        return medium
 
     def _learn_group(self, worker: _Worker, group: int, event: BlockStored) -> None:
         """Learn a group's spec from a store; an explicit chunk size is kept, it never travels."""
@@ -272,125 +382,106 @@ class KVIndex:
         )
         self._classes = None
 
-    def _store(self, worker: _Worker, lane: _Lane, event: BlockStored) -> None:
-        owners = lane.owners
+    def _store(
+        self, worker: _Worker, group: int, medium: str, hashes: Sequence[ExternalBlockHash]
+    ) -> None:
+        bit = self._lane_bit(worker, group)
+        stamp = bit | worker.bit  # the group's lane and lane 0
+        state = self._medium(medium)
+        owners = state.owners
         held_by = owners.get
-        bit = worker.bit
+        patterns, others = worker.patterns, worker.others
         extra: dict[ExternalBlockHash, int] | None = None
         added = 0
-        for block_hash in event.block_hashes:
+        last: int | None = None
+        stored = 0
+        for block_hash in hashes:
             held = held_by(block_hash, 0)
             if held & bit:
                 if extra is None:
-                    extra = lane.copies.setdefault(worker.slot, {})
+                    extra = state.copies.setdefault((group, worker.slot), {})
                 extra[block_hash] = extra.get(block_hash, 0) + 1
-            else:
-                owners[block_hash] = held | bit if held else bit
-                added += 1
-        stored = len(event.block_hashes)
-        self._counters.stored += stored
-        self._counters.duplicate_copies += stored - added
-        worker.resident[lane.key] = worker.resident.get(lane.key, 0) + added
+                continue
+            if held is not last:  # a run of blocks with the same holders shares one new int
+                last = held
+                stored = held | stamp
+                if not stored & others:
+                    stored = patterns.setdefault(stored, stored)
+            owners[block_hash] = stored
+            added += 1
+        self._counters.stored += len(hashes)
+        self._counters.duplicate_copies += len(hashes) - added
+        key = (group, medium)
+        worker.resident[key] = worker.resident.get(key, 0) + added
 
-    def _remove(self, worker: _Worker, key: LaneKey, hashes: Sequence[ExternalBlockHash]) -> None:
-        lane = self._lanes.get(key)
-        if lane is None:
+    def _remove(
+        self, worker: _Worker, group: int, medium: str, hashes: Sequence[ExternalBlockHash]
+    ) -> None:
+        state = self._media.get(medium)
+        if state is None or group not in self._lanes:
             self._counters.anomalies += len(hashes)
             return
-        dropped, missing, partial = self._remove_copies(
-            worker, lane, hashes, self._full_copy_holders(worker, key, hashes)
+        bit = self._lane_bit(worker, group)
+        dropped, missing, partial = _remove_copies(
+            worker, group, state, hashes, bit, self._full_copy_bits(worker, group)
         )
         self._counters.removed += len(hashes) - missing
         self._counters.anomalies += missing
         self._counters.partial_evictions += partial
         if dropped:
-            worker.resident[key] -= dropped
+            worker.resident[(group, medium)] -= dropped
 
-    @staticmethod
-    def _remove_copies(
-        worker: _Worker,
-        lane: _Lane,
-        hashes: Sequence[ExternalBlockHash],
-        full_copy_holders: HoldersOf | None,
-    ) -> tuple[int, int, int]:
-        """Remove one copy per hash: (hashes no longer held, hashes not held, partial evictions)."""
-        owners = lane.owners
-        held_by = owners.get
-        bit = worker.bit
-        extra = lane.copies.get(worker.slot)
-        dropped = missing = partial = 0
-        for block_hash in hashes:
-            held = held_by(block_hash, 0)
-            if not held & bit:
-                missing += 1
-                continue
-            if full_copy_holders is not None and full_copy_holders(block_hash, 0) & bit:
-                partial += 1
-            if extra and block_hash in extra:
-                left = extra[block_hash] - 1
-                if left:
-                    extra[block_hash] = left
-                else:
-                    del extra[block_hash]
-                continue
-            rest = held ^ bit
-            if rest:
-                owners[block_hash] = rest
-            else:
-                del owners[block_hash]
-            dropped += 1
-        return dropped, missing, partial
+    def _full_copy_bits(self, worker: _Worker, group: int) -> int:
+        """For a sliding-window group: the worker's bits in its full-attention lanes, else 0.
 
-    def _full_copy_holders(
-        self, worker: _Worker, key: LaneKey, hashes: Sequence[ExternalBlockHash]
-    ) -> HoldersOf | None:
-        """For a sliding-window lane: who holds each hash in a full-attention group, same medium.
-
-        One lookup per removed hash: the full-attention lane itself, or, for a model with
-        several full-attention groups, their union over just these hashes.
+        A window block removed while one of these is set leaves a full-attention copy behind.
         """
-        group, medium = key
         spec = worker.groups.get(group)
         if spec is None or spec.kind not in WINDOW_KINDS:
-            return None
-        fulls = [
-            lane.owners
-            for other, other_spec in worker.groups.items()
-            if other_spec.kind in FULL_COPY_KINDS and (lane := self._lanes.get((other, medium)))
-        ]
-        if len(fulls) <= 1:
-            return fulls[0].get if fulls else None
-        merged = {h: reduce(or_, (full.get(h, 0) for full in fulls)) for h in hashes}
-        return merged.get
-
-    def _clear_group(self, worker: _Worker, group: int) -> None:
-        """AllBlocksCleared for one group: every medium, since nothing says which survived."""
-        for lane in self._lanes.values():
-            if lane.key[0] == group:
-                self._drop_from_lane(worker, lane)
-        self._counters.cleared += 1
+            return 0
+        return reduce(
+            or_,
+            (
+                worker.bit << lane * self._width
+                for other, other_spec in worker.groups.items()
+                if other_spec.kind in FULL_COPY_KINDS
+                and (lane := self._lanes.get(other)) is not None
+            ),
+            0,
+        )
 
     def _start_epoch(self, worker: _Worker, epoch: int) -> None:
         """The engine restarted: nothing of its previous life is cached any more."""
-        for lane in self._lanes.values():
-            self._drop_from_lane(worker, lane)
+        self._drop(worker, self._lanes)
         worker.epoch = epoch
         worker.last_seq.clear()
         self._counters.restarts += 1
 
-    @staticmethod
-    def _drop_from_lane(worker: _Worker, lane: _Lane) -> None:
-        """Remove every copy a worker holds in a lane (scans the lane: clears are rare)."""
-        owners = lane.owners
-        bit = worker.bit
-        for block_hash in [h for h, held in owners.items() if held & bit]:
-            rest = owners[block_hash] ^ bit
-            if rest:
-                owners[block_hash] = rest
-            else:
-                del owners[block_hash]
-        lane.copies.pop(worker.slot, None)
-        worker.resident.pop(lane.key, None)
+    def _drop(self, worker: _Worker, groups: Iterable[int]) -> None:
+        """Remove every copy a worker holds in these groups, on every medium.
+
+        It scans each medium's dict (clears, restarts and departures are rare) once, however
+        many groups go.
+        """
+        groups = set(groups)
+        lanes = [self._lanes[group] for group in groups if group in self._lanes]
+        bits = reduce(or_, (worker.bit << lane * self._width for lane in lanes), 0)
+        left: dict[int, int] = {}  # held -> what is left of it, one int per distinct value
+        for medium in self._media.values() if bits else ():
+            owners = medium.owners
+            for block_hash in [h for h, held in owners.items() if held & bits]:
+                held = owners[block_hash]
+                rest = left.get(held)
+                if rest is None:
+                    rest = left[held] = self._intern(_without(held, bits, worker))
+                if rest:
+                    owners[block_hash] = rest
+                else:
+                    del owners[block_hash]
+            for group in groups:
+                medium.copies.pop((group, worker.slot), None)
+        for key in [key for key in worker.resident if key[0] in groups]:
+            del worker.resident[key]
 
     # ----------------------------------------------------------------------------- reading
 
@@ -406,9 +497,9 @@ class KVIndex:
     @staticmethod
     def _info(worker: _Worker) -> WorkerInfo:
         resident: dict[int, dict[str, int]] = {}
-        for (group, medium), count in worker.resident.items():
-            if count:
-                resident.setdefault(group, {})[medium] = count
+        for (group, medium), held in worker.resident.items():
+            if held:
+                resident.setdefault(group, {})[medium] = held
         return WorkerInfo(
             name=worker.name,
             epoch=worker.epoch,
@@ -425,10 +516,17 @@ class KVIndex:
                 catalog = tuple(sorted(worker.groups.items()))
                 members[catalog] = members.get(catalog, 0) | worker.bit
             self._classes = [
-                _CatalogClass(self._rules(catalog), everyone)
-                for catalog, everyone in members.items()
+                self._catalog_class(catalog, bits) for catalog, bits in members.items()
             ]
         return self._classes
+
+    def _catalog_class(
+        self, catalog: tuple[tuple[int, GroupSpec], ...], everyone: int
+    ) -> _CatalogClass:
+        rules = self._rules(catalog)
+        empty = len(self._lanes) + 1  # a lane no packed int has bits in
+        shifts = tuple(self._lanes.get(rule.group_idx, empty) * self._width for rule in rules)
+        return _CatalogClass(rules, everyone, shifts)
 
     def _rules(self, catalog: Iterable[tuple[int, GroupSpec]]) -> tuple[GroupRule, ...]:
         """The hit rules of a catalog; none (unscorable) if a block size does not fit the hashes."""
@@ -440,118 +538,181 @@ class KVIndex:
     # ----------------------------------------------------------------------------- scoring
 
     def score(
-        self, block_hashes: Sequence[ExternalBlockHash], num_tokens: int
+        self,
+        block_hashes: Sequence[ExternalBlockHash],
+        num_tokens: int,
+        *,
+        workers: Iterable[str] | None = None,
+        details: bool = True,
     ) -> list[WorkerScore]:
         """Every worker's prefix hit for one prompt, best first (weighted tokens, then hit).
 
         ``block_hashes`` are the prompt's hashes at ``hash_block_size`` in vLLM's external form;
         ``num_tokens`` is the prompt's length: vLLM always computes the last token, so a hit is at
-        most ``num_tokens - 1`` tokens.
+        most ``num_tokens - 1`` tokens. ``workers`` scores only those named (unknown names are
+        left out). ``details=False`` answers only the GPU hit, for a router that needs nothing
+        else: no per-group, tier or group-blind answers (empty or 0), and ``weighted_tokens`` is
+        the GPU hit at the GPU's weight.
         """
         max_tokens = max(0, min(num_tokens - 1, len(block_hashes) * self.hash_block_size))
-        residency = _Residency(self._lanes, block_hashes, self.hash_block_size, max_tokens)
-        everyone = reduce(or_, (worker.bit for worker in self._workers.values()), 0)
-        answers = _Answers(everyone)
+        scored = self._everyone if workers is None else self._bits_of(workers)
+        residency = _Residency(self._media, block_hashes, self.hash_block_size, max_tokens)
+        call = _Call(residency, max_tokens, _Answers(scored), details)
         for catalog_class in self._catalog_classes():
-            if catalog_class.rules:
-                self._score_class(catalog_class, residency, max_tokens, answers)
-        answers.record(_BLIND, self._group_blind_hits(residency, everyone, max_tokens))
-        scores = [score for part in answers.parts.items() for score in self._part_scores(*part)]
-        scores.sort(key=lambda s: (-s.weighted_tokens, -s.hit_tokens, s.worker))
-        return scores
+            members = catalog_class.everyone & scored
+            if members and catalog_class.rules:
+                self._score_class(catalog_class, members, call)
+        if details:
+            call.answers.record(_BLIND, self._group_blind_hits(residency, scored, max_tokens))
+        return self._scores(call.answers, details)
 
-    def _score_class(
-        self,
-        catalog_class: _CatalogClass,
-        residency: _Residency,
-        max_tokens: int,
-        answers: _Answers,
-    ) -> None:
-        everyone, align = catalog_class.everyone, catalog_class.align
-        gpu = self._acceptances(catalog_class, residency, (MEDIUM_GPU,))
-        gpu_hits = longest_hits(gpu, everyone, align, max_tokens)
-        answers.record(_HIT, gpu_hits)
+    def _bits_of(self, names: Iterable[str]) -> int:
+        return reduce(or_, (worker.bit for name in names if (worker := self._workers.get(name))), 0)
+
+    def _score_class(self, catalog_class: _CatalogClass, members: int, call: _Call) -> None:
+        align = catalog_class.align
+        gpu = self._acceptances(catalog_class, call.residency, _GPU_ONLY)
+        gpu_hits = longest_hits(gpu, members, align, call.max_tokens)
+        call.answers.record(_HIT, gpu_hits)
+        if not call.details:
+            return
+        # Every group accepts the whole length for a worker whose hit it is: only the others scan.
+        top = call.max_tokens // align * align
+        topped = gpu_hits[0][1] if gpu_hits[0][0] == top else 0
         for acceptance in gpu:
-            hits = longest_hits([acceptance], everyone, align, max_tokens)
-            answers.record(("group", acceptance.rule.group_idx), hits)
-        ladder: tuple[str, ...] = ()
-        hits = [(0, everyone)]
+            if len(gpu) == 1:  # a single group's own hit is the hit
+                hits = gpu_hits
+            else:
+                hits = longest_hits([acceptance], members ^ topped, align, call.max_tokens)
+                hits.append((top, topped))
+            call.answers.record(("group", acceptance.rule.group_idx), hits)
+        self._score_tiers(catalog_class, members, call)
+
+    def _score_tiers(self, catalog_class: _CatalogClass, members: int, call: _Call) -> None:
+        """The hit on each tier of the ladder below the GPU's (which is the hit).
+
+        A tier that adds no blocks repeats the faster one's answer (see ``_ladder``); the first
+        is computed even empty (a chunked-local group accepts a new chunk with no blocks).
+        """
+        ladder: Media = ()
         for medium, _ in self.tiers:
             ladder = (*ladder, medium)
-            if ladder == (MEDIUM_GPU,):
-                hits = gpu_hits
-            elif self._holds_any(catalog_class, medium):
-                hits = longest_hits(
-                    self._acceptances(catalog_class, residency, ladder), everyone, align, max_tokens
-                )
-            answers.record(("tier", medium), hits)
+            if ladder != _GPU_ONLY and (
+                len(ladder) == 1 or self._media.get(medium, _NO_MEDIUM).owners
+            ):
+                acceptances = self._acceptances(catalog_class, call.residency, ladder)
+                hits = longest_hits(acceptances, members, catalog_class.align, call.max_tokens)
+                call.answers.record(("tier", medium), hits)
 
+    @staticmethod
     def _acceptances(
-        self, catalog_class: _CatalogClass, residency: _Residency, media: tuple[str, ...]
+        catalog_class: _CatalogClass, residency: _Residency, media: Media
     ) -> list[Acceptance]:
         return [
-            Acceptance(
-                rule,
-                residency.resident(rule.group_idx, media, rule.block_size),
-                catalog_class.everyone,
-            )
-            for rule in catalog_class.rules
+            Acceptance(rule, residency.column(media, rule.block_size), shift)
+            for rule, shift in zip(catalog_class.rules, catalog_class.shifts, strict=True)
         ]
-
-    def _holds_any(self, catalog_class: _CatalogClass, medium: str) -> bool:
-        """Whether the class has any lane on this medium; without one a tier adds nothing."""
-        return any((rule.group_idx, medium) in self._lanes for rule in catalog_class.rules)
 
     def _group_blind_hits(
         self, residency: _Residency, everyone: int, max_tokens: int
     ) -> list[tuple[int, int]]:
-        """What an index ignoring groups answers: a left-to-right scan over hashes in any group."""
+        """What an index ignoring groups answers: a left-to-right scan of lane 0 (any group)."""
         size = self.hash_block_size
-        groups = sorted({group for group, medium in self._lanes if medium == MEDIUM_GPU})
-        columns = [residency.resident(group, (MEDIUM_GPU,), size) for group in groups]
-        blind_rule = GroupRule(-1, "prefix", size)
-        anywhere = Acceptance(blind_rule, _union(columns), everyone)
+        anywhere = Acceptance(
+            GroupRule(-1, "prefix", size), residency.column(_GPU_ONLY, size), shift=0
+        )
         return longest_hits([anywhere], everyone, size, max_tokens)
 
-    def _part_scores(self, workers: int, answers: dict[AnswerKey, int]) -> Iterator[WorkerScore]:
-        """The scores of workers sharing every answer: one payload, a copy per worker."""
+    def _scores(self, answers: _Answers, details: bool) -> list[WorkerScore]:
+        """Best first (weighted tokens, then hit), by name among equal answers.
+
+        Sorting the few parts, not the workers, and building each part's scores in one C-level
+        pass over its workers' names (listed once per worker set, see ``_Roster``) keeps this
+        cheap for a large fleet.
+        """
+        roster = self._roster()
+        parts = sorted(
+            ((self._payload(part, details), workers) for workers, part in answers.parts.items()),
+            key=_rank,
+        )
+        scores: list[WorkerScore] = []
+        for _, tied in groupby(parts, key=_rank):
+            start = len(scores)
+            tied_parts = list(tied)
+            for payload, workers in tied_parts:
+                scores.extend(_worker_scores(*roster.named(workers), payload))
+            if len(tied_parts) > 1:
+                scores[start:] = sorted(scores[start:], key=attrgetter("worker"))
+        return scores
+
+    def _roster(self) -> _Roster:
+        """Kept until a worker joins, leaves or changes health."""
+        if self._named is None:
+            self._named = _Roster(self._workers.values())
+        return self._named
+
+    def _payload(self, answers: dict[AnswerKey, int], details: bool) -> WorkerScore:
+        """What every worker of one part is told (its own fields left blank)."""
         hit = answers.get(_HIT, 0)
+        catalog_ok, blocks = _HIT in answers, hit // self.hash_block_size
+        if not details:
+            return WorkerScore(
+                "", "live", catalog_ok, hit, blocks, {}, {}, hit * self._gpu_weight, 0
+            )
         groups = {
             group: tokens
             for (kind, group), tokens in answers.items()
             if kind == "group" and isinstance(group, int)
         }
-        tiers = {medium: answers.get(("tier", medium), 0) for medium, _ in self.tiers}
+        tiers, weighted = self._ladder(answers, hit)
+        blind = answers.get(_BLIND, 0)
+        return WorkerScore("", "live", catalog_ok, hit, blocks, groups, tiers, weighted, blind)
+
+    def _ladder(self, answers: dict[AnswerKey, int], hit: int) -> tuple[dict[str, int], float]:
+        """Each tier's hit (one without its own answer repeats the faster one's; the GPU's, when
+        fastest, is the hit) and the tier-weighted tokens."""
+        tiers: dict[str, int] = {}
         weighted = 0.0
         faster = 0
         for medium, weight in self.tiers:
-            weighted += weight * (tiers[medium] - faster)
-            faster = tiers[medium]
-        while workers:
-            lowest = workers & -workers
-            worker = self._by_slot[lowest.bit_length() - 1]
-            workers ^= lowest
-            yield WorkerScore(
-                worker=worker.name,
-                health=worker.health,
-                catalog_ok=_HIT in answers,
-                hit_tokens=hit,
-                hit_blocks=hit // self.hash_block_size,
-                group_hit_tokens=dict(groups),
-                tier_hit_tokens=dict(tiers),
-                weighted_tokens=weighted,
-                group_blind_hit_tokens=answers.get(_BLIND, 0),
-            )
+            first_is_gpu = not tiers and medium == MEDIUM_GPU
+            tokens = answers.get(("tier", medium), hit if first_is_gpu else faster)
+            tiers[medium] = tokens
+            weighted += weight * (tokens - faster)
+            faster = tokens
+        return tiers, weighted
 
     # ----------------------------------------------------------------------------- snapshots
 
     def snapshot(self) -> bytes:
-        """The whole state, last applied seqs included, as msgpack bytes."""
+        """The whole state, last applied seqs included, as msgpack bytes.
+
+        A packed int goes as every group's bitset over the slots in use, lane after lane, without
+        lane 0 (their OR): no padding, and the same bytes whatever width the lanes have here.
+        """
+        slots = max((worker.slot + 1 for worker in self._workers.values()), default=1)
+        moves = [(lane * self._width, (lane - 1) * slots) for lane in self._lanes.values()]
+        packed = cache(partial(_moved, moves=moves, mask=(1 << self._width) - 1))
         return _snapshot_encoder.encode(
             _Snapshot(
                 format=SNAPSHOT_FORMAT,
+                slots=slots,
+                lanes=list(self._lanes),
                 workers=[_worker_snapshot(w) for w in self._workers.values()],
-                lanes=[_lane_snapshot(lane) for lane in self._lanes.values() if lane.owners],
+                media=[
+                    _MediumSnapshot(
+                        medium=name,
+                        hashes=list(medium.owners),
+                        owners=[_owners_to_wire(packed(held)) for held in medium.owners.values()],
+                        copies=[
+                            (group, slot, block_hash, extra)
+                            for (group, slot), extras in medium.copies.items()
+                            for block_hash, extra in extras.items()
+                        ],
+                    )
+                    for name, medium in self._media.items()
+                    if medium.owners
+                ],
                 counters=self._counters,
             )
         )
@@ -565,20 +726,33 @@ class KVIndex:
         tier_weights: Mapping[str, float] | None = None,
     ) -> KVIndex:
         """An index in the state ``snapshot`` saved; configuration is the caller's, not saved."""
+        saved_format = _format_decoder.decode(data).format
+        if saved_format != SNAPSHOT_FORMAT:
+            raise ValueError(f"unsupported index snapshot format {saved_format}")
         saved = _snapshot_decoder.decode(data)
-        if saved.format != SNAPSHOT_FORMAT:
-            raise ValueError(f"unsupported index snapshot format {saved.format}")
         index = cls(hash_block_size=hash_block_size, tier_weights=tier_weights)
+        index._width = _fitting_width(INITIAL_LANE_WIDTH, saved.slots)
+        index._lanes = {group: lane for lane, group in enumerate(saved.lanes, start=1)}
         for worker in saved.workers:
             index._restore_worker(worker)
         index._next_slot = max((w.slot + 1 for w in saved.workers), default=0)
         taken = {w.slot for w in saved.workers}
         index._free_slots = [slot for slot in range(index._next_slot) if slot not in taken]
-        slot_bits = {worker.bit: worker.bit for worker in index._workers.values()}
-        for lane in saved.lanes:
-            index._restore_lane(lane, slot_bits)
+        moves = [((lane - 1) * saved.slots, lane * index._width) for lane in index._lanes.values()]
+        unpacked = cache(partial(index._unpacked, moves=moves, mask=(1 << saved.slots) - 1))
+        for medium in saved.media:
+            state = index._medium(medium.medium)
+            state.owners = dict(zip(medium.hashes, map(unpacked, medium.owners), strict=True))
+            for group, slot, block_hash, extra in medium.copies:
+                state.copies.setdefault((group, slot), {})[block_hash] = extra
         index._counters = saved.counters
         return index
+
+    def _unpacked(self, wire: int | bytes, moves: list[tuple[int, int]], mask: int) -> int:
+        """A saved packed int in this index's lanes, lane 0 rebuilt, single-worker ones interned."""
+        packed = _owners_from_wire(wire)
+        anywhere = reduce(or_, (packed >> source & mask for source, _ in moves), 0)
+        return self._intern(_moved(packed, moves, mask) | anywhere)
 
     def _restore_worker(self, saved: _WorkerSnapshot) -> None:
         worker = _Worker(saved.name, saved.slot)
@@ -588,14 +762,119 @@ class KVIndex:
         worker.last_seq = saved.last_seq
         worker.resident = {(group, medium): count for group, medium, count in saved.resident}
         self._workers[saved.name] = self._by_slot[saved.slot] = worker
+        self._spread(worker)
+        self._everyone |= worker.bit
 
-    def _restore_lane(self, saved: _LaneSnapshot, slot_bits: dict[int, int]) -> None:
-        lane = self._lane((saved.group_idx, saved.medium))
-        owners = (_owners_from_wire(held) for held in saved.owners)
-        # Keep single-owner entries on the worker's shared bit object, as applying does.
-        lane.owners = dict(zip(saved.hashes, (slot_bits.get(h, h) for h in owners), strict=True))
-        for slot, block_hash, extra in saved.copies:
-            lane.copies.setdefault(slot, {})[block_hash] = extra
+
+_NO_MEDIUM = _Medium()
+
+
+def _fitting_width(width: int, slots: int) -> int:
+    """``width`` doubled until ``slots`` fit."""
+    while width < slots:
+        width *= 2
+    return width
+
+
+def _moved(held: int, moves: Sequence[tuple[int, int]], mask: int) -> int:
+    """``held``'s lanes moved: the ``mask`` bits at each source offset go to its target one."""
+    return reduce(or_, ((held >> source & mask) << target for source, target in moves), 0)
+
+
+def _rank(part: tuple[WorkerScore, int]) -> tuple[float, int]:
+    return -part[0].weighted_tokens, -part[0].hit_tokens
+
+
+def _worker_scores(
+    names: list[str], health: list[Health], payload: WorkerScore
+) -> Iterator[WorkerScore]:
+    """The payload for each worker, with the worker's own fields and copies of its dicts."""
+    return map(
+        WorkerScore,
+        names,
+        health,
+        repeat(payload.catalog_ok),
+        repeat(payload.hit_tokens),
+        repeat(payload.hit_blocks),
+        map(dict.copy, repeat(payload.group_hit_tokens)),
+        map(dict.copy, repeat(payload.tier_hit_tokens)),
+        repeat(payload.weighted_tokens),
+        repeat(payload.group_blind_hit_tokens),
+    )
+
+
+class _Roster:
+    """The workers in name order, and the names and health of each worker set asked for.
+
+    The sets a score call splits the fleet into recur from call to call, so each is listed once
+    and reused (up to ``ROSTER_SETS`` of them, then the list starts again).
+    """
+
+    __slots__ = ("_bits", "_order", "_sets")
+
+    def __init__(self, workers: Iterable[_Worker]) -> None:
+        self._order = sorted(workers, key=attrgetter("name"))
+        self._bits = [worker.bit for worker in self._order]
+        self._sets: dict[int, tuple[list[str], list[Health]]] = {}
+
+    def named(self, workers: int) -> tuple[list[str], list[Health]]:
+        named = self._sets.get(workers)
+        if named is None:
+            if len(self._sets) >= ROSTER_SETS:
+                self._sets.clear()
+            chosen = list(compress(self._order, map(and_, self._bits, repeat(workers))))
+            names = [worker.name for worker in chosen]
+            named = self._sets[workers] = (names, [worker.health for worker in chosen])
+        return named
+
+
+def _remove_copies(
+    worker: _Worker,
+    group: int,
+    medium: _Medium,
+    hashes: Sequence[ExternalBlockHash],
+    bit: int,
+    full_copy_bits: int,
+) -> tuple[int, int, int]:
+    """Remove one copy per hash: (hashes no longer held, hashes not held, partial evictions)."""
+    owners = medium.owners
+    held_by = owners.get
+    patterns, others = worker.patterns, worker.others
+    extra = medium.copies.get((group, worker.slot))
+    dropped = missing = partial = 0
+    last: int | None = None
+    rest = 0
+    for block_hash in hashes:
+        held = held_by(block_hash, 0)
+        if not held & bit:
+            missing += 1
+            continue
+        if held & full_copy_bits:
+            partial += 1
+        if extra and block_hash in extra:
+            left = extra[block_hash] - 1
+            if left:
+                extra[block_hash] = left
+            else:
+                del extra[block_hash]
+            continue
+        if held is not last:  # a run of blocks with the same holders shares one new int
+            last = held
+            rest = _without(held, bit, worker)
+            if rest and not rest & others:
+                rest = patterns.setdefault(rest, rest)
+        if rest:
+            owners[block_hash] = rest
+        else:
+            del owners[block_hash]
+        dropped += 1
+    return dropped, missing, partial
+
+
+def _without(held: int, bits: int, worker: _Worker) -> int:
+    """``held`` less some of the worker's group bits, and less its lane-0 bit with the last."""
+    rest = held & ~bits
+    return rest if rest & worker.mine else rest & ~worker.bit
 
 
 class _Answers:
@@ -603,7 +882,8 @@ class _Answers:
 
     Each scan answers with (tokens, workers) pairs; a part of the fleet splits only where answers
     differ, so a fleet that mostly holds the same prefix builds a handful of payloads, not one
-    per worker, and never walks its bitsets worker by worker until the end.
+    per worker, and never walks its bitsets worker by worker until the end. Each part owns its
+    dict: a split copies it, an answer for a whole part is written into it.
     """
 
     __slots__ = ("parts",)
@@ -617,6 +897,9 @@ class _Answers:
             rest = workers
             for tokens, hit_workers in hits:
                 both = rest & hit_workers
+                if both == workers:  # one answer for the whole part: its own dict takes it
+                    answers[key] = tokens
+                    break
                 if both:
                     parts[both] = {**answers, key: tokens}
                     rest ^= both
@@ -625,51 +908,62 @@ class _Answers:
         self.parts = parts
 
 
-class _Residency:
-    """Which workers hold each of a prompt's blocks, per group, media and block size, memoised.
+class _Call(NamedTuple):
+    """What one score call's catalog classes share."""
 
-    One dict lookup per block and lane, shared by every catalog class, view and group-blind scan.
+    residency: _Residency
+    max_tokens: int
+    answers: _Answers
+    details: bool
+
+
+class _Residency:
+    """The prompt's packed columns per media and block size, looked up once and memoised.
+
+    One dict lookup per hash block and medium answers for every group; a tier ladder ORs its
+    media's values, a larger block size takes every k-th hash block's value. Every catalog
+    class, view and the group-blind scan share them.
     """
 
-    __slots__ = ("_hash_block_size", "_hashes", "_lanes", "_max_tokens", "_memo")
+    __slots__ = ("_blocks", "_columns", "_hash_block_size", "_hashes", "_media", "_values")
 
     def __init__(
         self,
-        lanes: dict[LaneKey, _Lane],
+        media: dict[str, _Medium],
         hashes: Sequence[ExternalBlockHash],
         hash_block_size: int,
         max_tokens: int,
     ) -> None:
-        self._lanes = lanes
+        self._media = media
         self._hashes = hashes
         self._hash_block_size = hash_block_size
-        self._max_tokens = max_tokens
-        self._memo: dict[tuple[int, tuple[str, ...], int], list[int]] = {}
+        self._blocks = max_tokens // hash_block_size
+        self._values: dict[Media, list[int]] = {}
+        self._columns: dict[tuple[Media, int], Column] = {}
 
-    def resident(self, group: int, media: tuple[str, ...], block_size: int) -> list[int]:
-        """Bitset of workers holding each of the group's blocks on any of ``media``."""
-        key = (group, media, block_size)
-        held = self._memo.get(key)
-        if held is None:
-            held = self._memo[key] = self._lookup(group, media, block_size)
-        return held
+    def column(self, media: Media, block_size: int) -> Column:
+        """Packed residency of each of the prompt's blocks of ``block_size`` on any of ``media``."""
+        key = (media, block_size)
+        column = self._columns.get(key)
+        if column is None:
+            step = block_size // self._hash_block_size
+            # A group block spanning several hash blocks goes by the hash of its last sub-block.
+            values = self._held(media)[step - 1 : self._blocks // step * step : step]
+            column = self._columns[key] = Column(values)
+        return column
 
-    def _lookup(self, group: int, media: tuple[str, ...], block_size: int) -> list[int]:
-        step = block_size // self._hash_block_size
-        blocks = self._max_tokens // block_size
-        # A group block spanning several hash blocks goes by the hash of its last sub-block.
-        hashes = self._hashes[step - 1 : blocks * step : step]
-        lanes = [lane for medium in media if (lane := self._lanes.get((group, medium)))]
-        if not lanes:
-            return [0] * len(hashes)
-        return list(_union([list(map(lane.owners.get, hashes, repeat(0))) for lane in lanes]))
-
-
-def _union(columns: Sequence[Iterable[int]]) -> Iterator[int]:
-    """Element-wise OR of bitset columns, computed as it is consumed."""
-    if not columns:
-        return iter(())
-    return iter(reduce(lambda a, b: map(or_, a, b), columns))
+    def _held(self, media: Media) -> list[int]:
+        """Each hash block's packed residency on any of ``media``."""
+        values = self._values.get(media)
+        if values is None:
+            if len(media) > 1:
+                values = list(map(or_, self._held(media[:-1]), self._held(media[-1:])))
+            elif (medium := self._media.get(media[0])) is not None:
+                values = list(map(medium.owners.get, self._hashes, repeat(0, self._blocks)))
+            else:
+                values = [0] * self._blocks
+            self._values[media] = values
+        return values
 
 
 # ----------------------------------------------------------------------------- snapshot format
@@ -685,24 +979,31 @@ class _WorkerSnapshot(msgspec.Struct, array_like=True, gc=False):
     resident: list[tuple[int, str, int]]
 
 
-class _LaneSnapshot(msgspec.Struct, array_like=True, gc=False):
-    group_idx: int
+class _MediumSnapshot(msgspec.Struct, array_like=True, gc=False):
     medium: str
     hashes: list[ExternalBlockHash]
-    # Bitsets over slots: an int while it fits msgpack's 64 bits, else little-endian bytes.
+    # Packed bitsets (slot ``s`` of the ``p``-th lane at bit ``p * slots + s``): an int while it
+    # fits msgpack's 64 bits, else little-endian bytes.
     owners: list[int | bytes]
-    copies: list[tuple[int, ExternalBlockHash, int]]
+    copies: list[tuple[int, int, ExternalBlockHash, int]]  # group, slot, hash, extra copies
+
+
+class _Format(msgspec.Struct, gc=False):
+    format: int
 
 
 class _Snapshot(msgspec.Struct, gc=False):
     format: int
+    slots: int  # bits per group in a packed int
+    lanes: list[int]  # the group of each lane, in lane order
     workers: list[_WorkerSnapshot]
-    lanes: list[_LaneSnapshot]
+    media: list[_MediumSnapshot]
     counters: IndexCounters
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(_Snapshot)
+_format_decoder = msgspec.msgpack.Decoder(_Format)
 _WIRE_INT_LIMIT = 1 << 64
 
 
@@ -715,20 +1016,6 @@ def _worker_snapshot(worker: _Worker) -> _WorkerSnapshot:
         groups=worker.groups,
         last_seq=worker.last_seq,
         resident=[(group, medium, count) for (group, medium), count in worker.resident.items()],
-    )
-
-
-def _lane_snapshot(lane: _Lane) -> _LaneSnapshot:
-    return _LaneSnapshot(
-        group_idx=lane.key[0],
-        medium=lane.key[1],
-        hashes=list(lane.owners),
-        owners=[_owners_to_wire(held) for held in lane.owners.values()],
-        copies=[
-            (slot, block_hash, extra)
-            for slot, extras in lane.copies.items()
-            for block_hash, extra in extras.items()
-        ],
     )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import pytest
+from test_index_model import ReferenceIndex
 
 from bridge.records import EventRecord
 from consumers.index import ApplyOutcome, KVIndex, WorkerScore
@@ -180,6 +182,16 @@ def test_chunked_local_attention_skips_blocks_before_the_current_chunk() -> None
     assert only(index.score(prompt, 7 * B + 1)).hit_tokens == 6 * B
 
 
+def test_an_empty_fastest_tier_still_answers_for_a_new_chunk() -> None:
+    """A chunked-local group needs no block at a chunk boundary, on any tier, even an empty one."""
+    chunked = GroupSpec("chunked_local_attention", B, chunk_size=4 * B)
+    index = KVIndex(hash_block_size=B, tier_weights={"CPU": 1.0, "GPU": 0.5})
+    index.set_catalog("w0", {0: chunked})
+    index.apply(record(0, 0, stored([1], 0, chunked)))
+    score = only(index.score(list(range(8)), 8 * B + 1))
+    assert score.tier_hit_tokens == {"CPU": 8 * B, "GPU": 8 * B}
+
+
 def test_tier_weighted_score_counts_each_stretch_at_its_slowest_tier() -> None:
     index = KVIndex(hash_block_size=B)
     prompt = list(range(12))
@@ -233,6 +245,75 @@ def test_a_forgotten_workers_slot_is_reused_without_its_blocks() -> None:
     assert [(s.worker, s.hit_tokens) for s in index.score([1, 2], 3 * B)] == [("new", 0)]
 
 
+def test_a_forgotten_group_goes_on_every_medium_and_its_records_apply_again() -> None:
+    """The follower's group-mode revocation: one group of one worker, nothing else."""
+    index = gpt_oss_like()
+    index.apply(record(1, 0, stored(PROMPT[:4], 0, medium="CPU")))
+    index.apply(record(0, 0, stored(PROMPT, 0), worker="w1"))
+    index.forget_group("w0", 0)
+    info = index.workers()[0]
+    assert (info.resident, info.last_seq) == ({1: {"GPU": 8}}, {1: 0})
+    assert info.groups == {0: FULL, 1: SWA_128}  # the catalog still says the group exists
+    score = only(index.score(PROMPT, len(PROMPT) * B))
+    assert (score.hit_tokens, score.group_hit_tokens[0], score.tier_hit_tokens["CPU"]) == (0, 0, 0)
+    assert score.group_blind_hit_tokens == 0  # block 0 is in no group of w0's any more
+    assert only(index.score(PROMPT, len(PROMPT) * B), "w1").hit_tokens == 24 * B
+    # Read again from the partition, the group's first record applies instead of being a replay.
+    assert index.apply(record(0, 0, stored(PROMPT, 0))) is ApplyOutcome.APPLIED
+    assert only(index.score(PROMPT, len(PROMPT) * B)).hit_tokens == 20 * B
+    index.forget_group("nobody", 0)
+
+
+def test_scores_only_the_workers_asked_for() -> None:
+    index = gpt_oss_like()
+    index.apply(record(0, 0, stored(PROMPT[:3], 0), worker="w1"))
+    index.apply(record(0, 0, stored(PROMPT[:2], 0), worker="w2"))
+    whole = index.score(PROMPT, len(PROMPT) * B)
+    asked = index.score(PROMPT, len(PROMPT) * B, workers=["w2", "gone", "w0"])
+    assert asked == [score for score in whole if score.worker in {"w0", "w2"}]
+    assert index.score(PROMPT, len(PROMPT) * B, workers=[]) == []
+
+
+def test_hits_only_skip_the_breakdown_but_not_the_hit() -> None:
+    index = gpt_oss_like()
+    index.apply(record(0, 0, stored(PROMPT[:3], 0), worker="w1"))
+    index.set_health("w1", "degraded")
+    full = index.score(PROMPT, len(PROMPT) * B)
+    hits = index.score(PROMPT, len(PROMPT) * B, details=False)
+    assert [(s.worker, s.hit_tokens, s.hit_blocks, s.health, s.catalog_ok) for s in hits] == [
+        (s.worker, s.hit_tokens, s.hit_blocks, s.health, s.catalog_ok) for s in full
+    ]
+    assert [s.weighted_tokens for s in hits] == [float(s.hit_tokens) for s in hits]  # GPU: 1.0
+    assert {
+        (s.group_blind_hit_tokens, len(s.group_hit_tokens), len(s.tier_hit_tokens)) for s in hits
+    } == {(0, 0, 0)}
+
+
+def test_lanes_widen_as_the_fleet_grows_past_them() -> None:
+    """Twenty workers outgrow 8 and 16 slots per lane while holding shared and own blocks."""
+    index, model = KVIndex(hash_block_size=B), ReferenceIndex(B)
+    for w in range(20):
+        held = PROMPT[: 5 + w] + [1000 * w + i for i in range(3)]
+        for each in (
+            record(0, 0, stored(held, 0), worker=f"w{w}"),
+            record(0, 1, stored(held[w // 2 :], 1, SWA_128), worker=f"w{w}"),
+            record(1, 1, removed(held[-2:], 1), worker=f"w{w}"),
+        ):
+            assert index.apply(each) == model.apply(each)
+    for prompt in (PROMPT, PROMPT[:9] + [1000 * 7 + i for i in range(3)]):
+        tokens = len(prompt) * B
+        for score in index.score(prompt, tokens):
+            name = score.worker
+            assert score.hit_tokens == model.hit_tokens(name, prompt, tokens), name
+            assert score.group_hit_tokens == model.group_hit_tokens(name, prompt, tokens)
+            assert score.group_blind_hit_tokens == model.group_blind_hit_tokens(
+                name, prompt, tokens
+            )
+    assert {info.name: info.resident for info in index.workers()} == {
+        name: model.resident(name) for name in model.workers
+    }
+
+
 HIGH = 1 << 63  # vLLM's external hashes are uint64: msgpack needs 9 bytes for most
 
 
@@ -260,11 +341,18 @@ def test_snapshot_round_trips_the_whole_state_compactly(workers: int) -> None:
     assert restored.score(prompt, 321) == index.score(prompt, 321)
     # Seqs came along: a replayed record is still a duplicate after restore.
     assert restored.apply(record(1, 1, removed([HIGH], 1))) is ApplyOutcome.DUPLICATE
-    # Per distinct (hash, group): a 9-byte hash, then the bitset's header and bytes.
-    per_entry = 9 + 2 + (workers + 7) // 8
-    assert len(data) < 2 * 1000 * per_entry + 200 * workers  # + each worker's catalog and seqs
+    # Per distinct hash: 9 bytes, then both groups' bitsets packed in one int's header and bytes.
+    per_hash = 9 + 2 + (2 * workers + 7) // 8
+    assert len(data) < 1000 * per_hash + 200 * workers  # + each worker's catalog and seqs
     # The duplicate copy survived the round trip: two removals to drop it.
     restored.apply(record(3, 1, removed([HIGH + 5], 1)))
     restored.apply(record(4, 1, removed([HIGH + 5], 1)))
     assert restored.counters.anomalies == 0
     assert restored.workers()[0].resident[1]["GPU"] == 999
+
+
+def test_a_snapshot_of_another_format_is_refused() -> None:
+    """Format 1 kept a dict per group and medium: the follower reads the log instead."""
+    old = msgspec.msgpack.encode({"format": 1, "workers": [], "lanes": [], "counters": {}})
+    with pytest.raises(ValueError, match="format 1"):
+        KVIndex.restore(old)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_index_model import ReferenceIndex
 
+import consumers.index
 from bridge.records import EventRecord
 from consumers.index import KVIndex
 from producer.events import (
@@ -41,6 +43,8 @@ KINDS = (
     "encoder_only_attention",
 )
 WORKERS = ("w0", "w1", "w2", "w3")
+# The default ladder, one without STORAGE, and one whose fastest tier is not the GPU.
+TIER_WEIGHTS = (None, {"GPU": 1.0, "CPU": 0.25}, {"CPU": 1.0, "GPU": 0.5, "STORAGE": 0.2})
 
 
 @st.composite
@@ -242,6 +246,8 @@ def assert_same(
     as_bytes=st.booleans(),
     ops=st.lists(operations, min_size=20, max_size=60),
     token_counts=st.lists(st.integers(0, PROMPT_BLOCKS * HASH_BLOCK + 5), min_size=1, max_size=3),
+    tier_weights=st.sampled_from(TIER_WEIGHTS),
+    narrow_lanes=st.booleans(),
 )
 def test_index_matches_model(
     catalog_choices: list[dict[int, GroupSpec]],
@@ -251,8 +257,14 @@ def test_index_matches_model(
     as_bytes: bool,
     ops: list[tuple[Any, ...]],
     token_counts: list[int],
+    tier_weights: dict[str, float] | None,
+    narrow_lanes: bool,
 ) -> None:
-    """Same answers and counters as the model; a restored snapshot carries on identically."""
+    """Same answers and counters as the model; a restored snapshot carries on identically.
+
+    With ``narrow_lanes`` the index starts with one slot per lane, so every new worker widens
+    the lanes while blocks are stored, removed and cleared around it.
+    """
     catalogs_by_worker = {
         worker: catalog_choices[choice % len(catalog_choices)]
         for worker, choice in zip(WORKERS, worker_catalogs, strict=True)
@@ -261,8 +273,9 @@ def test_index_matches_model(
         worker: catalog_choices[(choice + 1) % len(catalog_choices)]
         for worker, choice in zip(WORKERS, worker_catalogs, strict=True)
     }
-    index = KVIndex(hash_block_size=HASH_BLOCK)
-    model = ReferenceIndex(HASH_BLOCK)
+    with patch.object(consumers.index, "INITIAL_LANE_WIDTH", 1 if narrow_lanes else 8):
+        index = KVIndex(hash_block_size=HASH_BLOCK, tier_weights=tier_weights)
+    model = ReferenceIndex(HASH_BLOCK, tier_weights)
     fleet = Fleet(dict(catalogs_by_worker), other_catalogs, prompts(shared, as_bytes), index, model)
     if explicit:
         for worker, catalog in catalogs_by_worker.items():
@@ -273,7 +286,9 @@ def test_index_matches_model(
         fleet.run(operation)
     assert_same(index, model, fleet, token_counts)
 
-    restored = KVIndex.restore(index.snapshot(), hash_block_size=HASH_BLOCK)
+    restored = KVIndex.restore(
+        index.snapshot(), hash_block_size=HASH_BLOCK, tier_weights=tier_weights
+    )
     assert restored.snapshot() == index.snapshot()
     fleet.index = restored
     for operation in ops[half:]:
