@@ -67,7 +67,7 @@ class BridgeSettings:
     max_replays: int = 4
     replay_timeout: float = 5.0
     queue_size: int = 10_000
-    rcvhwm: int = 10_000
+    rcvhwm: int = 1000
     max_buffered: int = DEFAULT_MAX_BUFFERED
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_record_bytes: int = 8 * 1024 * 1024
@@ -77,7 +77,7 @@ class BridgeSettings:
     # request per broker in flight and one batch per partition waiting: a deeper pipeline
     # only makes smaller chunks.
     in_flight: int = 2
-    linger: float = 0.005  # seconds a small chunk may wait to grow before it is sent
+    linger: float = 0.002  # seconds a small chunk may wait to grow before it is sent
     shutdown_timeout: float = 10.0
     kafka_retry: float = 2.0
     client_id: str = "hmakv-bridge"

@@ -77,7 +77,7 @@ class SourceSettings:
     # Reply messages one fetch may hand over per turn of the event loop: with many replays at
     # once, more would starve the sink's loops until the queue is full.
     receive_limit: int = 64
-    rcvhwm: int = 10_000
+    rcvhwm: int = 1000
     dead_letter_max_bytes: int = 512 * 1024
 
 

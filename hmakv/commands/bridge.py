@@ -160,18 +160,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add(
         "--linger-ms",
         type=non_negative_float,
-        default=env("HMAKV_BRIDGE_LINGER_MS", "5"),
+        default=env("HMAKV_BRIDGE_LINGER_MS", "2"),
         metavar="MS",
         help="how long a small chunk of records may wait for more before it is sent to Kafka "
-        "(env HMAKV_BRIDGE_LINGER_MS, default 5)",
+        "(env HMAKV_BRIDGE_LINGER_MS, default 2)",
     )
     add(
         "--rcvhwm",
         type=positive_int,
-        default=env("HMAKV_BRIDGE_RCVHWM", "10000"),
+        default=env("HMAKV_BRIDGE_RCVHWM", "1000"),
         metavar="MESSAGES",
         help="ZMQ receive high-water mark per SUB socket: what one socket may hold while "
-        "intake is paused (env HMAKV_BRIDGE_RCVHWM, default 10000)",
+        "intake is paused (env HMAKV_BRIDGE_RCVHWM, default 1000)",
     )
     add(
         "--max-buffered",
