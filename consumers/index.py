@@ -288,18 +288,6 @@ class KVIndex:
         self._everyone &= ~state.bit
         self._classes = self._named = None
 
-    def forget_group(self, worker: str, group: int) -> None:
-        """Drop one worker's group on every medium, e.g. when its partition is revoked.
-
-        Its last applied seq goes too, so that reading the group's records again applies them
-        instead of ignoring them as replays; the group's spec stays (the catalog says it exists).
-        """
-        state = self._workers.get(worker)
-        if state is None:
-            return
-        self._drop(state, (group,))
-        state.last_seq.pop(group, None)
-
     def _worker(self, name: str) -> _Worker:
         worker = self._workers.get(name)
         if worker is None:

@@ -245,25 +245,6 @@ def test_a_forgotten_workers_slot_is_reused_without_its_blocks() -> None:
     assert [(s.worker, s.hit_tokens) for s in index.score([1, 2], 3 * B)] == [("new", 0)]
 
 
-def test_a_forgotten_group_goes_on_every_medium_and_its_records_apply_again() -> None:
-    """The follower's group-mode revocation: one group of one worker, nothing else."""
-    index = gpt_oss_like()
-    index.apply(record(1, 0, stored(PROMPT[:4], 0, medium="CPU")))
-    index.apply(record(0, 0, stored(PROMPT, 0), worker="w1"))
-    index.forget_group("w0", 0)
-    info = index.workers()[0]
-    assert (info.resident, info.last_seq) == ({1: {"GPU": 8}}, {1: 0})
-    assert info.groups == {0: FULL, 1: SWA_128}  # the catalog still says the group exists
-    score = only(index.score(PROMPT, len(PROMPT) * B))
-    assert (score.hit_tokens, score.group_hit_tokens[0], score.tier_hit_tokens["CPU"]) == (0, 0, 0)
-    assert score.group_blind_hit_tokens == 0  # block 0 is in no group of w0's any more
-    assert only(index.score(PROMPT, len(PROMPT) * B), "w1").hit_tokens == 24 * B
-    # Read again from the partition, the group's first record applies instead of being a replay.
-    assert index.apply(record(0, 0, stored(PROMPT, 0))) is ApplyOutcome.APPLIED
-    assert only(index.score(PROMPT, len(PROMPT) * B)).hit_tokens == 20 * B
-    index.forget_group("nobody", 0)
-
-
 def test_scores_only_the_workers_asked_for() -> None:
     index = gpt_oss_like()
     index.apply(record(0, 0, stored(PROMPT[:3], 0), worker="w1"))
