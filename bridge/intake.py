@@ -20,10 +20,13 @@ intake goes idle again, so a message is never slept through.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import zmq
+
+log = logging.getLogger(__name__)
 
 Handler = Callable[[list[list[bytes]]], None]  # the messages one socket had, in order
 
@@ -103,7 +106,10 @@ class Intake:
             if messages:
                 received = True
                 more |= len(messages) == self._round_limit
-                registration.handler(messages)
+                try:
+                    registration.handler(messages)
+                except Exception:  # a bug for one source must not stop every other one
+                    log.exception("intake: a handler failed; its messages are dropped")
         return received, more
 
     def _drain(self, sock: zmq.Socket[bytes]) -> list[list[bytes]]:

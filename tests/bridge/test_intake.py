@@ -157,3 +157,30 @@ async def test_a_socket_with_more_than_a_round_holds_gets_the_rest_next_rounds(l
         async with running(intake):
             await until(lambda: sum(rounds) == 50, "every message")
     assert max(rounds) == limit
+
+
+async def test_a_failing_handler_costs_its_own_messages_only() -> None:
+    """A bug in one source's handling is logged; every socket keeps being read. (The tracker
+    then sees the dropped seqs as a gap and replays them.)"""
+    gate = Gate()
+    intake = Intake(gate.wait, tick=0.001)
+    received: dict[str, list[bytes]] = defaultdict(list)
+
+    def fragile(messages: list[list[bytes]]) -> None:
+        if any(m[1] == b"boom" for m in messages):
+            raise RuntimeError("a bug")
+        received["a"].extend(m[1] for m in messages)
+
+    with pub_sub_pairs(2) as pairs:
+        await subscribed(pairs)
+        (pub_a, sub_a), (pub_b, sub_b) = pairs
+        intake.add(sub_a, fragile)
+        intake.add(sub_b, lambda messages: received["b"].extend(m[1] for m in messages))
+        async with running(intake):
+            pub_a.send_multipart([b"t", b"boom"])
+            pub_b.send_multipart([b"t", b"1"])
+            await until(lambda: received["b"] == [b"1"], "b's first message")
+            pub_a.send_multipart([b"t", b"after"])
+            pub_b.send_multipart([b"t", b"2"])
+            await until(lambda: received["a"] == [b"after"], "a's message after the failure")
+            await until(lambda: received["b"] == [b"1", b"2"], "b's second message")
