@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from bridge.readable import readable_now, take_ready
+
 log = logging.getLogger(__name__)
 
 Handler = Callable[[list[list[bytes]]], None]  # the messages one socket had, in order
@@ -102,7 +104,7 @@ class Intake:
         """Take what every socket holds; (anything received, some socket has more)."""
         received = more = False
         for sock, registration in list(self._sockets.items()):
-            messages = self._drain(sock)
+            messages = take_ready(sock, self._round_limit) if readable_now(sock) else []
             if messages:
                 received = True
                 more |= len(messages) == self._round_limit
@@ -111,15 +113,3 @@ class Intake:
                 except Exception:  # a bug for one source must not stop every other one
                     log.exception("intake: a handler failed; its messages are dropped")
         return received, more
-
-    def _drain(self, sock: zmq.Socket[bytes]) -> list[list[bytes]]:
-        messages: list[list[bytes]] = []
-        events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
-        if not events & zmq.POLLIN:
-            return messages
-        try:
-            while len(messages) < self._round_limit:
-                messages.append(sock.recv_multipart(zmq.NOBLOCK))
-        except zmq.Again:
-            pass
-        return messages

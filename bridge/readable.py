@@ -7,6 +7,8 @@ socket's life, and a wait is an ``asyncio.Event``.
 
 ZMQ's FD is edge-triggered and only says "look at ZMQ_EVENTS": a wait therefore checks
 ``EVENTS`` before sleeping, so a message that arrived before the wait is never slept through.
+``readable_now`` and ``take_ready`` are that check and the non-blocking drain, which the
+intake (``bridge.intake``) uses on every SUB socket too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,23 @@ from __future__ import annotations
 import asyncio
 
 import zmq
+
+
+def readable_now(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a message waits; reading ``EVENTS`` also re-arms the socket's FD."""
+    events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
+    return bool(events & zmq.POLLIN)
+
+
+def take_ready(sock: zmq.Socket[bytes], limit: int) -> list[list[bytes]]:
+    """The messages the socket holds now, up to ``limit``, without waiting."""
+    messages: list[list[bytes]] = []
+    try:
+        while len(messages) < limit:
+            messages.append(sock.recv_multipart(zmq.NOBLOCK))
+    except zmq.Again:
+        pass
+    return messages
 
 
 class Readable:
@@ -27,7 +46,7 @@ class Readable:
     async def wait(self, timeout: float | None = None) -> bool:
         """Until the socket has a message to read; False if ``timeout`` seconds pass first."""
         deadline = None if timeout is None else self._loop.time() + timeout
-        while not self._readable_now():
+        while not readable_now(self._sock):
             self._signal.clear()
             if deadline is None:
                 await self._signal.wait()  # no wait_for: it would make a task per wait
@@ -40,10 +59,6 @@ class Readable:
             except TimeoutError:
                 return False
         return True
-
-    def _readable_now(self) -> bool:
-        events: int = self._sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
-        return bool(events & zmq.POLLIN)
 
     def close(self) -> None:
         """Unregister; the caller closes the socket afterwards."""

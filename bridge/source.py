@@ -42,7 +42,7 @@ from bridge.frames import (
 from bridge.intake import Intake
 from bridge.logs import RateLimitedLog
 from bridge.metrics import KNOWN_EVENT_CLASSES, UNKNOWN_EVENT_TYPE, BridgeMetrics
-from bridge.readable import Readable
+from bridge.readable import Readable, take_ready
 from bridge.records import DeadLetter
 from bridge.relay import WorkerRelay
 from bridge.sink import KafkaSink
@@ -95,12 +95,7 @@ async def receive_ready(
     None when ``timeout`` seconds passed without a message.
     """
     while True:
-        messages: list[list[bytes]] = []
-        try:
-            while len(messages) < limit:
-                messages.append(sock.recv_multipart(zmq.NOBLOCK))
-        except zmq.Again:
-            pass
+        messages = take_ready(sock, limit)
         if messages:
             return messages
         if not await readable.wait(timeout):

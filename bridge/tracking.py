@@ -232,10 +232,6 @@ class SequenceTracker:
         return "replaying" if self._fetch is not None else "live"
 
     @property
-    def fetching(self) -> bool:
-        return self._fetch is not None
-
-    @property
     def buffered(self) -> int:
         return len(self._buffer)
 
