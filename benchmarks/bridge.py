@@ -15,7 +15,9 @@ ceilings bound what the bridge could reach on this machine:
 
 Bridge runs: ``fixed`` publishes at a fixed total rate (10,000 batches/s, scaled down to half
 the lower ceiling when this machine cannot reach it, which the table says, and a lower rate
-given by ``--lower-rate``), ``max`` publishes as fast as the engines can. All of it shares this
+given by ``--lower-rate``), ``max`` publishes as fast as the engines can, through one bridge and
+through one bridge per core (``--shards``, each following its share of the engines, as a fleet
+too large for one Python process is split with ``hmakv bridge --shard``). All of it shares this
 machine's cores: engines, broker, bridge and reader, and whatever else runs (the load average
 is printed with the table). Added latency is the broker's append time (the events topic is made
 with ``message.timestamp.type=LogAppendTime``) minus the batch's engine timestamp, over every
@@ -48,6 +50,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import zmq
+from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 
 # Run as a script, this file's folder comes first on sys.path, where its own name would shadow
@@ -62,6 +65,7 @@ from bridge.kafka_client import (  # noqa: E402
     ensure_topics,
     start_producer,
 )
+from bridge.readable import take_ready  # noqa: E402
 from bridge.records import Topics  # noqa: E402
 from hmakv.kafka import ApacheKafkaBroker, unique_topic  # noqa: E402
 from producer.events import BlockRemoved, BlockStored, KVEventBatch, decode  # noqa: E402
@@ -292,6 +296,26 @@ def sub_ceiling(engine_count: int, steps: int, target: Callable[..., None]) -> d
 # --- ceiling (b): aiokafka send_batch of pre-encoded records --------------------------------------
 
 
+Encoded = tuple[bytes, bytes, list[tuple[str, bytes]]]  # key, value, headers
+
+
+async def send_chunk(
+    producer: AIOKafkaProducer, topic: str, partition: int, chunk: list[Encoded]
+) -> list[asyncio.Future[object]]:
+    """One partition's records as few record batches as fit; their delivery futures."""
+    futures = []
+    builder = producer.create_batch()
+    for key, value, headers in chunk:
+        if builder.append(timestamp=None, key=key, value=value, headers=headers) is None:
+            builder.close()
+            futures.append(await producer.send_batch(builder, topic, partition=partition))
+            builder = producer.create_batch()
+            builder.append(timestamp=None, key=key, value=value, headers=headers)
+    builder.close()
+    futures.append(await producer.send_batch(builder, topic, partition=partition))
+    return futures
+
+
 async def kafka_ceiling(bootstrap: str, batches: int) -> dict[str, float]:
     topic = unique_topic("bench-ceiling")
     await ensure_topics(bootstrap, [TopicSpec(topic, PARTITIONS)])
@@ -309,21 +333,11 @@ async def kafka_ceiling(bootstrap: str, batches: int) -> dict[str, float]:
     started = time.monotonic()
     in_flight: list[asyncio.Future[object]] = []
     for offset in range(0, len(encoded), 4096):
-        by_partition: dict[int, list[tuple[bytes, bytes, list[tuple[str, bytes]]]]] = defaultdict(
-            list
-        )
+        by_partition: dict[int, list[Encoded]] = defaultdict(list)
         for key, value, headers in encoded[offset : offset + 4096]:
             by_partition[partitioner(key, partitions, partitions)].append((key, value, headers))
         for partition, chunk in by_partition.items():
-            builder = producer.create_batch()
-            for key, value, headers in chunk:
-                if builder.append(timestamp=None, key=key, value=value, headers=headers) is None:
-                    builder.close()
-                    in_flight.append(await producer.send_batch(builder, topic, partition=partition))
-                    builder = producer.create_batch()
-                    builder.append(timestamp=None, key=key, value=value, headers=headers)
-            builder.close()
-            in_flight.append(await producer.send_batch(builder, topic, partition=partition))
+            in_flight += await send_chunk(producer, topic, partition, chunk)
     await asyncio.gather(*in_flight)
     seconds = time.monotonic() - started
     await producer.stop()
@@ -336,18 +350,122 @@ async def kafka_ceiling(bootstrap: str, batches: int) -> dict[str, float]:
     }
 
 
+# --- baseline: a bare forwarder ------------------------------------------------------------------
+
+FORWARDER_TICK_S = 0.002  # as the bridge's intake
+
+
+@dataclass(frozen=True)
+class ForwarderJob:
+    ports: list[int]
+    bootstrap: str
+    topic: str
+    steps: int  # per engine: the forwarder stops once every engine's last step is acknowledged
+
+
+def forwarder_main(job: ForwarderJob, ready: Event, result: mp.Queue) -> None:  # type: ignore[type-arg]
+    """The least any bridge does, as the latency baseline: drain every SUB socket per tick,
+    decode, fan out per group, encode, and hand everything received to Kafka as soon as the
+    previous chunk is acknowledged (one in flight, one ``send_batch`` per partition). No
+    sequence tracking, replays, catalog, worker states or metrics, so no loss detection."""
+    asyncio.run(_forward(job, ready, result))
+
+
+async def _forward(job: ForwarderJob, ready: Event, result: mp.Queue) -> None:  # type: ignore[type-arg]
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    subs = []
+    for port in job.ports:
+        sub = ctx.socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.subscribe(b"")
+        subs.append(sub)
+    producer = (
+        await start_producer(
+            job.bootstrap, client_id="bench-forwarder", linger_ms=0, max_batch_size=512 * 1024
+        )
+    ).producer
+    partitions = sorted(await producer.partitions_for(job.topic))
+    partitioner = DefaultPartitioner()
+    await asyncio.sleep(1.0)  # let every subscription reach its engine
+    ready.set()
+    cpu_before = time.process_time()
+    last_seq = [0] * len(subs)
+    held: dict[int, list[Encoded]] = defaultdict(list)
+    in_flight: list[asyncio.Future[object]] = []
+    while min(last_seq) < job.steps or held or in_flight:
+        for index, sub in enumerate(subs):
+            for frames in take_ready(sub, 1024):
+                last_seq[index] = int.from_bytes(frames[1], "big")
+                batch = decode(frames[2]).batch
+                for record in fan_out(f"e{index}", 0, last_seq[index], batch, (0, 1)):
+                    key = records.event_key(record.worker, record.group_idx)
+                    partition = partitioner(key, partitions, partitions)
+                    held[partition].append((key, records.encode(record), record.headers()))
+        if in_flight and all(future.done() for future in in_flight):
+            for future in in_flight:
+                future.result()
+            in_flight = []
+        if held and not in_flight:
+            for partition, chunk in held.items():
+                in_flight += await send_chunk(producer, job.topic, partition, chunk)
+            held = defaultdict(list)
+        await asyncio.sleep(FORWARDER_TICK_S)
+    result.put({"cpu_seconds": time.process_time() - cpu_before})
+    await producer.stop()
+    ctx.destroy(linger=0)
+
+
+def fresh_topics(bootstrap: str) -> Topics:
+    """A new prefix, with its events topic stamped by the broker (the end of added latency)."""
+    topics = Topics(unique_topic("bench"))
+    spec = TopicSpec(topics.events, PARTITIONS, config={"message.timestamp.type": APPEND_TIME})
+    asyncio.run(ensure_topics(bootstrap, [spec]))
+    return topics
+
+
+def forwarder_run(bootstrap: str, engine_count: int, steps: int, rate: float) -> dict[str, float]:
+    topics = fresh_topics(bootstrap)
+    ctx = mp.get_context("spawn")
+    with engines(engine_count, steps, rate) as (specs, go):
+        ready, result = ctx.Event(), ctx.Queue()
+        job = ForwarderJob([s.port for s in specs], bootstrap, topics.events, steps)
+        process = ctx.Process(target=forwarder_main, args=(job, ready, result))
+        process.start()
+        ready.wait(60)
+        published_at = time.time()
+        go.set()
+        outcome: dict[str, float] = result.get(timeout=300)
+        process.join(30)
+    check = asyncio.run(read_back(bootstrap, topics, engine_count, steps, published_at + WARMUP_S))
+    seconds = check["last_append"] - published_at
+    return {
+        "batches_per_s": engine_count * steps / seconds,
+        "events_per_s": engine_count * steps * 8 / seconds,
+        **{k: check[k] for k in ("p50_ms", "p99_ms", "p50_warm_ms", "p99_warm_ms", "lost")},
+        "bridge_cpu_percent": 100 * outcome["cpu_seconds"] / seconds,
+        "bridge_cpu_us_per_batch": 1e6 * outcome["cpu_seconds"] / (engine_count * steps),
+        "seconds": seconds,
+    }
+
+
 # --- the bridge ----------------------------------------------------------------------------------
 
 
 class BridgeProcess:
-    def __init__(self, bootstrap: str, prefix: str, specs: list[EngineSpec]) -> None:
+    """``hmakv bridge`` following every engine, or shard ``index`` of ``shards``: engine ``i``
+    is pinned to shard ``i % shards``, since with 16 names a hash splits them only roughly
+    (e0..e15 hash 6/10 over two shards), and an operator who cares pins them the same way."""
+
+    def __init__(
+        self, bootstrap: str, prefix: str, specs: list[EngineSpec], index: int = 0, shards: int = 1
+    ) -> None:
         self.listen = free_ports(1)[0]
         command = [sys.executable, "-m", "hmakv.cli", "--log-level", "WARNING", "bridge"]
         command += ["--kafka", bootstrap, "--topic-prefix", prefix, "--partitions", str(PARTITIONS)]
-        command += ["--listen", f"127.0.0.1:{self.listen}"]
+        command += ["--listen", f"127.0.0.1:{self.listen}", "--shard", f"{index}/{shards}"]
         for spec in specs:
             flag = f"e{spec.index}=tcp://127.0.0.1:{spec.port},replay=tcp://127.0.0.1:"
-            command += ["--engine", f"{flag}{spec.replay_port}"]
+            command += ["--engine", f"{flag}{spec.replay_port},shard={spec.index % shards}"]
         self.process = subprocess.Popen(command)
 
     def url(self, path: str) -> str:
@@ -390,33 +508,28 @@ class BridgeProcess:
         self.process.wait(60)
 
 
-def bridge_run(bootstrap: str, engine_count: int, steps: int, rate: float) -> dict[str, float]:
-    prefix = unique_topic("bench")
-    topics = Topics(prefix)
-    asyncio.run(
-        ensure_topics(
-            bootstrap,
-            [
-                TopicSpec(
-                    topics.events, PARTITIONS, config={"message.timestamp.type": "LogAppendTime"}
-                )
-            ],
-        )
-    )
+def bridge_run(
+    bootstrap: str, engine_count: int, steps: int, rate: float, shards: int = 1
+) -> dict[str, float]:
+    """One run through ``shards`` bridge processes (one follows every engine; more split them
+    with ``--shard``); CPU is theirs together, RSS the largest one's."""
+    topics = fresh_topics(bootstrap)
     with engines(engine_count, steps, rate) as (specs, go):
-        bridge = BridgeProcess(bootstrap, prefix, specs)
+        bridges = [BridgeProcess(bootstrap, topics.prefix, specs, i, shards) for i in range(shards)]
         try:
-            bridge.wait_ready()
+            for bridge in bridges:
+                bridge.wait_ready()
             time.sleep(0.5)  # the catch-up replays of a fresh start are done
-            cpu_before = bridge.cpu_seconds()
+            cpu_before = sum(bridge.cpu_seconds() for bridge in bridges)
             published_at = time.time()
             go.set()
-            wait_caught_up(bridge, engine_count, steps)
-            cpu = bridge.cpu_seconds() - cpu_before
-            samples = bridge.metrics()
-            rss = bridge.peak_rss_mib()
+            wait_caught_up(bridges, engine_count, steps)
+            cpu = sum(bridge.cpu_seconds() for bridge in bridges) - cpu_before
+            samples = merged_metrics(bridges)
+            rss = max(bridge.peak_rss_mib() for bridge in bridges)
         finally:
-            bridge.stop()
+            for bridge in bridges:
+                bridge.stop()
     warm_from = published_at + WARMUP_S
     check = asyncio.run(read_back(bootstrap, topics, engine_count, steps, warm_from))
     seconds = check["last_append"] - published_at
@@ -439,21 +552,33 @@ def bridge_run(bootstrap: str, engine_count: int, steps: int, rate: float) -> di
             v for k, v in samples.items() if k.startswith("hmakv_bridge_gaps_detected_total")
         ),
         "seconds": seconds,
+        "shards": shards,
     }
 
 
-def wait_caught_up(bridge: BridgeProcess, engine_count: int, steps: int) -> None:
-    """Until Kafka acknowledged every engine's last step (the bridge forwards in order)."""
+def merged_metrics(bridges: list[BridgeProcess]) -> dict[str, float]:
+    """Every bridge's samples, summed where several have the same one."""
+    merged: dict[str, float] = defaultdict(float)
+    for bridge in bridges:
+        for name, value in bridge.metrics().items():
+            merged[name] += value
+    return merged
+
+
+def wait_caught_up(bridges: list[BridgeProcess], engine_count: int, steps: int) -> None:
+    """Until Kafka acknowledged every engine's last step (a bridge forwards in order)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        samples = bridge.metrics()
+        samples = merged_metrics(bridges)
         done = [
             samples.get(f'hmakv_bridge_worker_last_seq{{worker="e{i}"}}', -1) >= steps
             for i in range(engine_count)
         ]
         if all(done):
             return
-        time.sleep(0.25)  # a scrape costs the bridge a few ms: not the load to measure
+        # A scrape costs a bridge a few ms (2.6% of its CPU at 4 per second): not the load to
+        # measure. Throughput comes from the broker's append times, not from this loop.
+        time.sleep(1.0)
     raise RuntimeError("the bridge did not catch up within 300 s")
 
 
@@ -531,26 +656,32 @@ COLUMNS = (  # (header, key, width, format)
 
 
 def table(rows: dict[str, dict[str, float]]) -> str:
-    header = f"{'run':<24}" + "".join(f"{title:>{width}}" for title, _, width, _ in COLUMNS)
+    header = f"{'run':<28}" + "".join(f"{title:>{width}}" for title, _, width, _ in COLUMNS)
     lines = [header, "-" * len(header)]
     for name, row in rows.items():
         cells = [
             f"{row[key]:>{width}{fmt}}" if key in row else f"{'-':>{width}}"
             for _, key, width, fmt in COLUMNS
         ]
-        lines.append(f"{name:<24}" + "".join(cells))
+        lines.append(f"{name:<28}" + "".join(cells))
     return "\n".join(lines)
 
 
 def targets(
     rows: dict[str, dict[str, float]], fixed: str, rate: int, ceiling: float
 ) -> dict[str, bool]:
-    ratio = rows["bridge: max rate"]["batches_per_s"] / ceiling
+    """The throughput target counts the best way to run bridges here: one, or one per core."""
+    best = max(
+        (name for name in rows if name.startswith("bridge: max rate")),
+        key=lambda name: rows[name]["batches_per_s"],
+    )
+    ratio = rows[best]["batches_per_s"] / ceiling
     p99 = rows[fixed]["p99_warm_ms"]
     bridge_rows = [row for name, row in rows.items() if name.startswith("bridge")]
     return {
-        f"max-rate throughput {ratio:.2f} x min(ceilings) >= 0.5": ratio
-        >= TARGETS["throughput_vs_ceiling"],
+        f"max-rate throughput ({best[18:] or '1 bridge'}) {ratio:.2f} x min(ceilings) >= 0.5": (
+            ratio >= TARGETS["throughput_vs_ceiling"]
+        ),
         f"p99 {p99:.1f} ms at {rate:,}/s (after {WARMUP_S:g} s) < 25 ms": p99
         < TARGETS["p99_ms_at_fixed_rate"],
         "zero loss": all(row["lost"] == 0 for row in bridge_rows),
@@ -578,6 +709,13 @@ def main(argv: list[str] | None = None) -> None:
         help="a second fixed rate, batches/s (0: none): what latency is at a load this machine "
         "sustains next to its engines and broker",
     )
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="bridges splitting the engines (--shard) in the last run, one per core by default "
+        "(1: no such run)",
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
     total = args.engines * args.steps
@@ -591,6 +729,9 @@ def main(argv: list[str] | None = None) -> None:
         # The latency target's rate, unless this machine's ceilings are too low for it.
         rate = TARGET_RATE if ceiling >= 2 * TARGET_RATE else int(ceiling / 2 // 100 * 100)
         fixed = f"bridge: fixed {rate:,}/s"
+        rows[f"baseline: forwarder {rate:,}/s"] = forwarder_run(
+            bootstrap, args.engines, args.steps, rate / args.engines
+        )
         rows[fixed] = bridge_run(bootstrap, args.engines, args.steps, rate / args.engines)
         if args.lower_rate:
             lower = args.lower_rate / args.engines
@@ -598,6 +739,10 @@ def main(argv: list[str] | None = None) -> None:
                 bootstrap, args.engines, args.steps, lower
             )
         rows["bridge: max rate"] = bridge_run(bootstrap, args.engines, args.steps, 0)
+        if args.shards > 1:
+            rows[f"bridge: max rate, {args.shards} shards"] = bridge_run(
+                bootstrap, args.engines, args.steps, 0, args.shards
+            )
     print(table(rows))
     load = f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
     print(f"{os.cpu_count()} CPUs, load average {load}")

@@ -13,12 +13,14 @@ TOML (``--engines engines.toml``, reloaded on SIGHUP)::
     replay = "tcp://10.0.0.5:5560"
     topic = "kv-events"
     dp_ranks = [0, 1]
+    shard = 1
     groups = { 2 = { kind = "chunked_local_attention", block_size = 16, chunk_size = 8192 } }
 """
 
 from __future__ import annotations
 
 import tomllib
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,7 @@ from bridge.records import worker_id
 from producer.events import GROUP_KINDS, GroupSpec
 from producer.publisher import offset_endpoint_port
 
-_FLAG_OPTIONS = ("replay", "topic", "dp")
+_FLAG_OPTIONS = ("replay", "topic", "dp", "shard")
 
 
 class ConfigError(ValueError):
@@ -42,6 +44,7 @@ class EngineConfig:
     topic: str = ""
     dp_ranks: tuple[int, ...] | None = None
     groups: Mapping[int, GroupSpec] = field(default_factory=dict)
+    shard: int | None = None  # the --shard INDEX that follows this engine; None: by its name
 
     def __post_init__(self) -> None:
         try:
@@ -53,6 +56,8 @@ class EngineConfig:
                 raise ConfigError(f"engine {self.name!r}: {endpoint!r} is not a ZMQ endpoint")
         if self.dp_ranks is not None and (not self.dp_ranks or min(self.dp_ranks) < 0):
             raise ConfigError(f"engine {self.name!r}: dp_ranks must be non-negative, not empty")
+        if self.shard is not None and self.shard < 0:
+            raise ConfigError(f"engine {self.name!r}: shard must be non-negative")
 
     def workers(self) -> list[WorkerAddress]:
         """One worker per DP rank, with the endpoints vLLM gives that rank."""
@@ -83,8 +88,57 @@ class WorkerAddress:
     replay: str | None
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This bridge's part of a fleet split between ``count`` bridges (``--shard INDEX/COUNT``).
+
+    One Python process forwards about 20,000 step batches per second (BENCHMARKS.md), so a
+    larger fleet is split between bridges, each following the engines whose name hashes to its
+    index. A worker's records, sequence tracking and resume point stay with one bridge, and the
+    hash depends on the engine's name only: adding or removing engines never moves the others
+    (a moved engine would be followed twice, or resumed from a stale point). With few engines
+    the split is only roughly even; an engine's ``shard`` setting pins it where it should go.
+    """
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ConfigError(f"shard {self.index}/{self.count}: need 0 <= INDEX < COUNT")
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        index, sep, count = text.partition("/")
+        if not sep or not index.isdigit() or not count.isdigit():
+            raise ConfigError(f"--shard {text!r}: expected INDEX/COUNT, e.g. 0/2")
+        return cls(int(index), int(count))
+
+    def owns(self, engine: EngineConfig) -> bool:
+        if engine.shard is not None:
+            return engine.shard == self.index
+        return zlib.crc32(engine.name.encode()) % self.count == self.index
+
+    def select(self, engines: Iterable[EngineConfig]) -> list[EngineConfig]:
+        """This shard's engines; the whole list when there is one shard, whatever the pins."""
+        engines = list(engines)
+        if self.count == 1:
+            return engines
+        for engine in engines:
+            if engine.shard is not None and engine.shard >= self.count:
+                raise ConfigError(
+                    f"engine {engine.name!r} is pinned to shard {engine.shard}, "
+                    f"but there are {self.count} shards"
+                )
+        return [engine for engine in engines if self.owns(engine)]
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
 def parse_engine_flag(text: str) -> EngineConfig:
-    """``NAME=tcp://host:port[,replay=tcp://...][,topic=T][,dp=N]`` (dp: ranks 0..N-1)."""
+    """``NAME=tcp://host:port[,replay=tcp://...][,topic=T][,dp=N][,shard=I]`` (dp: ranks
+    0..N-1; shard: the ``--shard`` index that follows it)."""
     name, sep, rest = text.partition("=")
     if not sep or not rest:
         raise ConfigError(f"--engine {text!r}: expected NAME=ENDPOINT[,replay=...,topic=...,dp=N]")
@@ -95,13 +149,14 @@ def parse_engine_flag(text: str) -> EngineConfig:
         if not sep or key not in _FLAG_OPTIONS:
             raise ConfigError(f"--engine {text!r}: unknown option {option!r}")
         settings[key] = value
-    dp = settings.get("dp")
+    dp, shard = settings.get("dp"), settings.get("shard")
     return EngineConfig(
         name=name,
         endpoint=endpoint,
         replay=settings.get("replay"),
         topic=settings.get("topic", ""),
         dp_ranks=None if dp is None else tuple(range(_positive(dp, f"--engine {text!r}: dp"))),
+        shard=None if shard is None else _index(shard, f"--engine {text!r}: shard"),
     )
 
 
@@ -132,7 +187,7 @@ def _engine_from_table(path: Path, index: int, entry: object) -> EngineConfig:
     where = f"{path}: engines[{index}]"
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: expected a table")
-    unknown = set(entry) - {"name", "endpoint", "replay", "topic", "dp_ranks", "groups"}
+    unknown = set(entry) - {"name", "endpoint", "replay", "topic", "dp_ranks", "groups", "shard"}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
     ranks = entry.get("dp_ranks")
@@ -140,6 +195,9 @@ def _engine_from_table(path: Path, index: int, entry: object) -> EngineConfig:
         isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)
     ):
         raise ConfigError(f"{where}: dp_ranks must be a list of integers")
+    shard = entry.get("shard")
+    if shard is not None and (not isinstance(shard, int) or isinstance(shard, bool)):
+        raise ConfigError(f"{where}: shard must be an integer")
     return EngineConfig(
         name=_string(entry, "name", where, required=True) or "",
         endpoint=_string(entry, "endpoint", where),
@@ -147,6 +205,7 @@ def _engine_from_table(path: Path, index: int, entry: object) -> EngineConfig:
         topic=_string(entry, "topic", where) or "",
         dp_ranks=None if ranks is None else tuple(ranks),
         groups=_groups(entry.get("groups", {}), where),
+        shard=shard,
     )
 
 
@@ -174,6 +233,12 @@ def _groups(table: object, where: str) -> dict[int, GroupSpec]:
             spec["kind"], spec["block_size"], spec.get("sliding_window"), spec.get("chunk_size")
         )
     return groups
+
+
+def _index(text: str, what: str) -> int:
+    if not text.isdigit():
+        raise ConfigError(f"{what} must be a non-negative integer, not {text!r}")
+    return int(text)
 
 
 def _positive(text: str, what: str) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 from bridge.config import (
     ConfigError,
     EngineConfig,
+    Shard,
     check_unique,
     load_engines_file,
     parse_engine_flags,
@@ -57,6 +58,7 @@ engines file (TOML):
   replay = "tcp://10.0.0.5:5560"        # optional: gaps are lost without it
   topic = "kv-events"                   # the engine's ZMQ topic (default "")
   dp_ranks = [0, 1]                     # optional: one worker per rank, ports offset by rank
+  shard = 1                             # optional: the --shard INDEX that follows it
   groups = { 2 = { kind = "chunked_local_attention", block_size = 16, chunk_size = 8192 } }
 
 endpoints: /healthz (alive), /readyz (Kafka reachable and every source connected or failed),
@@ -65,6 +67,7 @@ endpoints: /healthz (alive), /readyz (Kafka reachable and every source connected
 examples:
   hmakv bridge --kafka 127.0.0.1:9092 --engine engine-a=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5560
   hmakv bridge --engines engines.toml --listen 0.0.0.0:9400
+  hmakv bridge --engines engines.toml --shard 1/2    # half the fleet; another bridge runs 0/2
   hmakv bridge --bind-sub 'tcp://*:5557' --kafka kafka:9092"""
 
 
@@ -89,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--engine",
         action="append",
         default=_split(env("HMAKV_BRIDGE_ENGINE")),
-        metavar="NAME=ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N]",
+        metavar="NAME=ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N][,shard=I]",
         help="an engine to connect to; repeatable (env HMAKV_BRIDGE_ENGINE, ';'-separated)",
     )
     add(
@@ -97,6 +100,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=env("HMAKV_BRIDGE_BIND_SUB"),
         metavar="ENDPOINT",
         help="bind a SUB socket engines connect to, e.g. tcp://*:5557 (env HMAKV_BRIDGE_BIND_SUB)",
+    )
+    add(
+        "--shard",
+        type=_shard,
+        default=env("HMAKV_BRIDGE_SHARD", "0/1"),
+        metavar="INDEX/COUNT",
+        help="follow only the engines pinned to INDEX (shard=I) or, unpinned, whose name hashes "
+        "to it, to split a fleet between COUNT bridges (env HMAKV_BRIDGE_SHARD, default 0/1)",
     )
     add(
         "--kafka",
@@ -270,7 +281,23 @@ def _engines(args: argparse.Namespace) -> list[EngineConfig]:
         engines += load_engines_file(args.engines)
     if not engines and args.bind_sub is None:
         raise ConfigError("no engines: give --engine, --engines or --bind-sub")
-    return check_unique(engines)
+    shard: Shard = args.shard
+    if shard.count > 1 and args.bind_sub is not None:
+        raise ConfigError(
+            "--shard splits the engines bridges connect to; with --bind-sub, point each engine "
+            "at one bridge's endpoint instead"
+        )
+    mine = shard.select(check_unique(engines))
+    if shard.count > 1:
+        log.info("shard %s: following %d of %d engines", shard, len(mine), len(engines))
+    return mine
+
+
+def _shard(text: str) -> Shard:
+    try:
+        return Shard.parse(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 async def _serve(

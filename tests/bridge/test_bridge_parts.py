@@ -14,6 +14,7 @@ from bridge.catalog import GroupCatalog
 from bridge.config import (
     ConfigError,
     EngineConfig,
+    Shard,
     WorkerAddress,
     check_unique,
     load_engines_file,
@@ -40,8 +41,8 @@ from producer.publisher import END_SEQ
 
 
 def test_an_engine_flag_with_every_option() -> None:
-    engine = parse_engine_flag("gpu-a=tcp://h:5557,replay=tcp://h:5560,topic=kv,dp=2")
-    assert engine == EngineConfig("gpu-a", "tcp://h:5557", "tcp://h:5560", "kv", (0, 1))
+    engine = parse_engine_flag("gpu-a=tcp://h:5557,replay=tcp://h:5560,topic=kv,dp=2,shard=1")
+    assert engine == EngineConfig("gpu-a", "tcp://h:5557", "tcp://h:5560", "kv", (0, 1), shard=1)
     assert engine.workers() == [
         WorkerAddress("gpu-a-dp0", 0, "tcp://h:5557", "tcp://h:5560"),
         WorkerAddress("gpu-a-dp1", 1, "tcp://h:5558", "tcp://h:5561"),  # vLLM's port offset
@@ -65,6 +66,7 @@ def test_a_single_rank_engine_is_one_worker_named_as_configured() -> None:
         ("gpu-a=", "expected NAME=ENDPOINT"),
         ("gpu-a=tcp://h:1,color=red", "unknown option"),
         ("gpu-a=tcp://h:1,dp=0", "positive integer"),
+        ("gpu-a=tcp://h:1,shard=-1", "shard must be a non-negative integer"),
         ("gpu/a=tcp://h:1", "no '/'"),
         ("gpu-a=h:1", "not a ZMQ endpoint"),
     ],
@@ -78,12 +80,12 @@ def test_an_engines_file_with_groups(tmp_path: Path) -> None:
     path = tmp_path / "engines.toml"
     path.write_text(
         '[[engines]]\nname = "a"\nendpoint = "tcp://h:1"\nreplay = "tcp://h:2"\n'
-        "dp_ranks = [0, 3]\n"
+        "dp_ranks = [0, 3]\nshard = 2\n"
         'groups = { 2 = { kind = "chunked_local_attention", block_size = 16, chunk_size = 64 } }\n'
         '[[engines]]\nname = "b"\ntopic = "kv@b@m"\n'
     )
     a, b = load_engines_file(path)
-    assert a.dp_ranks == (0, 3)
+    assert (a.dp_ranks, a.shard, b.shard) == ((0, 3), 2, None)
     assert a.groups == {2: GroupSpec("chunked_local_attention", 16, None, 64)}
     assert [w.endpoint for w in a.workers()] == ["tcp://h:1", "tcp://h:4"]
     assert (b.endpoint, b.topic) == (None, "kv@b@m")
@@ -96,6 +98,8 @@ def test_an_engines_file_with_groups(tmp_path: Path) -> None:
         ('[[engines]]\nname = "a"\nport = 1', "unknown keys"),
         ("[[engines]]\nname = 1", "name must be a string"),
         ('[[engines]]\nname = "a"\ndp_ranks = "0"', "dp_ranks"),
+        ('[[engines]]\nname = "a"\nshard = "1"', "shard must be an integer"),
+        ('[[engines]]\nname = "a"\nshard = -1', "shard must be non-negative"),
         ('[[engines]]\nname = "a"\ngroups = { x = { kind = "mamba", block_size = 1 } }', "index"),
         ('[[engines]]\nname = "a"\ngroups = { 1 = { kind = "nope", block_size = 1 } }', "kind"),
         ("[[engines]\n", "engines.toml"),
@@ -112,6 +116,34 @@ def test_engine_names_are_unique() -> None:
     engines = [parse_engine_flag("a=tcp://h:1"), parse_engine_flag("a=tcp://h:2")]
     with pytest.raises(ConfigError, match="unique: a"):
         check_unique(engines)
+
+
+def test_shards_split_a_fleet_into_disjoint_parts_that_survive_a_reload() -> None:
+    fleet = [EngineConfig(f"engine-{i}", f"tcp://h:{5000 + i}") for i in range(40)]
+    parts = [Shard(index, 3).select(fleet) for index in range(3)]
+    assert sorted(e.name for part in parts for e in part) == sorted(e.name for e in fleet)
+    assert all(len(part) >= 5 for part in parts), "every shard gets a share of 40 engines"
+    # Adding and removing engines never moves the others: the hash is the name's alone.
+    changed = fleet[5:] + [EngineConfig(f"new-{i}", f"tcp://h:{6000 + i}") for i in range(10)]
+    for index, part in enumerate(parts):
+        kept = {e.name for e in Shard(index, 3).select(changed)} & {e.name for e in fleet}
+        assert kept == {e.name for e in part} - {e.name for e in fleet[:5]}
+    assert Shard().select(fleet) == fleet
+
+
+def test_an_engine_pinned_to_a_shard_goes_there_whatever_its_name() -> None:
+    fleet = [EngineConfig(f"engine-{i}", f"tcp://h:{5000 + i}", shard=i % 2) for i in range(8)]
+    assert [e.name for e in Shard(1, 2).select(fleet)] == [f"engine-{i}" for i in (1, 3, 5, 7)]
+    assert Shard(0, 1).select(fleet) == fleet, "one bridge follows every engine"
+    fleet.append(EngineConfig("engine-8", "tcp://h:5008", shard=2))
+    with pytest.raises(ConfigError, match="pinned to shard 2, but there are 2 shards"):
+        Shard(0, 2).select(fleet)
+
+
+@pytest.mark.parametrize("text", ["2/2", "1", "a/2", "-1/2", "0/0", ""])
+def test_bad_shards_say_what_is_wrong(text: str) -> None:
+    with pytest.raises(ConfigError, match="shard"):
+        Shard.parse(text)
 
 
 # --- frames --------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from bridge_harness import (
     expected_records,
 )
 
+from bridge.config import EngineConfig, Shard
 from bridge.records import Topics
 from hmakv.cli import main
 from hmakv.kafka import unique_topic
@@ -142,6 +143,39 @@ async def test_sighup_reloads_the_engines_and_sigterm_flushes_state(
     assert '"message": "engines reloaded: engine-a, engine-b"' in output
 
 
+@pytest.mark.kafka
+async def test_two_sharded_bridges_split_a_fleet_and_write_every_step_once(
+    kafka_bootstrap: str, tmp_path: Path, processes: list[BridgeProcess]
+) -> None:
+    engines = [EngineThread(f"engine-{letter}") for letter in "abcdef"]
+    owners = {e.name: Shard(0, 2).owns(EngineConfig(e.name, "tcp://h:1")) for e in engines}
+    assert len(set(owners.values())) == 2, "both shards have engines (names chosen for it)"
+    prefix = unique_topic("bridge")
+    args = ["--kafka", kafka_bootstrap, "--topic-prefix", prefix, "--partitions", "3"]
+    for engine in engines:
+        args += ["--engine", engine_flag(engine)]
+    log = KafkaLog(kafka_bootstrap, Topics(prefix))
+    with engines_running(*engines):
+        for index in (0, 1):
+            shard = ["--shard", f"{index}/2"]
+            processes.append(BridgeProcess([*args, *shard], tmp_path / f"bridge-{index}.log"))
+        for engine in engines:
+            await engine.published_all(20)
+        await log.wait_for(
+            lambda log: all(log.has_seq(e.name, 20) for e in engines), "every engine's steps"
+        )
+        for process in processes:
+            process.signal(signal.SIGTERM)
+            assert process.wait() == 0
+    for engine in engines:
+        expected = by_group(expected_records(engine.name, 0, engine))
+        written = by_group([r for r in log.records_of(engine.name) if r.seq > 0])
+        assert written == expected, f"{engine.name}: every step once, from one bridge"
+    followed = sum(owners.values())
+    output = (tmp_path / "bridge-0.log").read_text()
+    assert f"shard 0/2: following {followed} of 6 engines" in output
+
+
 def toml_engine(engine: EngineThread) -> str:
     return (
         f'[[engines]]\nname = "{engine.name}"\n'
@@ -162,6 +196,7 @@ def test_a_configuration_that_cannot_run_exits_2(
         ("--engine", "a=tcp://h:1", "--engine", "a=tcp://h:2"): "unique",
         ("--engines", str(bad_toml)): "contain no '/'",
         (): "no engines",
+        ("--bind-sub", "tcp://127.0.0.1:1", "--shard", "0/2"): "--shard splits",
     }
     for args, message in cases.items():
         assert main(["bridge", *args]) == 2
