@@ -85,6 +85,7 @@ GAPS_DETECTED = "hmakv_bridge_gaps_detected_total"
 ENGINE_FLUSH_MS = 5
 APPEND_TIME = "LogAppendTime"  # record timestamps set by the broker: the end of added latency
 GROUPS = ((0, "full_attention", None), (1, "sliding_window", 128))
+START_SEQ = (0).to_bytes(8, "big")  # an engine's seq 0: the clear it publishes when it starts
 
 
 def step_batch(step: int, engine: int) -> KVEventBatch:
@@ -227,6 +228,8 @@ def sub_ceiling_main(ports: list[int], expected: int, ready: Event, result: mp.Q
                     while True:
                         frames = sub.recv_multipart(zmq.NOBLOCK)
                         batch = decode(frames[2]).batch
+                        if frames[1] == START_SEQ:  # the engine's start-up clear, not a step
+                            continue
                         received += 1
                         events += len(batch.events)
                         last = time.monotonic()
@@ -246,6 +249,8 @@ def awaited_sub_main(ports: list[int], expected: int, ready: Event, result: mp.Q
         while counts[0] < expected:
             frames = await sub.recv_multipart()
             batch = decode(frames[2]).batch
+            if frames[1] == START_SEQ:
+                continue
             counts[0] += 1
             counts[1] += len(batch.events)
             counts[3] = time.monotonic()
