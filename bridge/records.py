@@ -75,7 +75,9 @@ class EventRecord(msgspec.Struct, frozen=True, gc=False):
     ``seq`` is the engine publisher's sequence number of the batch; ``epoch`` is raised by the
     bridge each time that worker's sequence restarts, so two lives of one engine never mix. A
     clear of the worker arrives as a record whose events are ``[AllBlocksCleared()]`` in every
-    known group.
+    known group. A clear the bridge makes carries a seq that keeps ``(epoch, seq)`` in order
+    within a key: -1 for the clear that opens an engine's new life (whose seqs start at 0
+    again), otherwise the last seq it accounts for; its ``ts`` is the bridge's clock.
     """
 
     worker: str
@@ -100,8 +102,9 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
     """The bridge's view of one worker, compacted to the latest per worker.
 
     ``last_seq`` is the last engine seq forwarded in ``epoch`` (-1 before the first); a bridge
-    restarting resumes replay from ``last_seq + 1``. ``groups`` maps group_idx to its spec as
-    learned from stores (or configured).
+    restarting resumes replay from ``last_seq + 1``. ``ts`` is the engine's timestamp of that
+    batch (0.0 before the first), which lets a consumer tell how current the worker is.
+    ``groups`` maps group_idx to its spec as learned from stores (or configured).
     """
 
     worker: str
