@@ -150,13 +150,14 @@ def parse_engine_flag(text: str) -> EngineConfig:
             raise ConfigError(f"--engine {text!r}: unknown option {option!r}")
         settings[key] = value
     dp, shard = settings.get("dp"), settings.get("shard")
+    where = f"--engine {text!r}"
     return EngineConfig(
         name=name,
         endpoint=endpoint,
         replay=settings.get("replay"),
         topic=settings.get("topic", ""),
-        dp_ranks=None if dp is None else tuple(range(_positive(dp, f"--engine {text!r}: dp"))),
-        shard=None if shard is None else _index(shard, f"--engine {text!r}: shard"),
+        dp_ranks=None if dp is None else tuple(range(_integer(dp, f"{where}: dp", least=1))),
+        shard=None if shard is None else _integer(shard, f"{where}: shard", least=0),
     )
 
 
@@ -235,13 +236,8 @@ def _groups(table: object, where: str) -> dict[int, GroupSpec]:
     return groups
 
 
-def _index(text: str, what: str) -> int:
-    if not text.isdigit():
-        raise ConfigError(f"{what} must be a non-negative integer, not {text!r}")
-    return int(text)
-
-
-def _positive(text: str, what: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"{what} must be a positive integer, not {text!r}")
+def _integer(text: str, what: str, *, least: int) -> int:
+    if not text.isdigit() or int(text) < least:
+        kind = "positive" if least == 1 else "non-negative"
+        raise ConfigError(f"{what} must be a {kind} integer, not {text!r}")
     return int(text)
