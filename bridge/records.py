@@ -90,12 +90,31 @@ class EventRecord(msgspec.Struct, frozen=True, gc=False):
 
     def headers(self) -> list[tuple[str, bytes]]:
         """Kafka headers repeating the routing fields, for tools that do not decode values."""
-        return [
-            ("worker", self.worker.encode()),
-            ("group", str(self.group_idx).encode()),
-            ("epoch", str(self.epoch).encode()),
-            ("seq", str(self.seq).encode()),
-        ]
+        return EventHeaders(self.worker).of(self)
+
+
+class EventHeaders:
+    """``EventRecord.headers`` for one worker's records, each header made once and reused.
+
+    The bridge writes a record per group of every engine batch, and the records of one worker
+    differ only in group, and in epoch and seq from batch to batch: making the four headers anew
+    for each record cost more than the fan-out.
+    """
+
+    def __init__(self, worker: str) -> None:
+        self._worker = ("worker", worker.encode())
+        self._groups: dict[int, tuple[str, bytes]] = {}
+        self._epoch = self._seq = (-2, ("", b""))  # (number, its header): none yet
+
+    def of(self, record: EventRecord) -> list[tuple[str, bytes]]:
+        group = self._groups.get(record.group_idx)
+        if group is None:
+            group = self._groups[record.group_idx] = ("group", str(record.group_idx).encode())
+        if self._epoch[0] != record.epoch:
+            self._epoch = (record.epoch, ("epoch", str(record.epoch).encode()))
+        if self._seq[0] != record.seq:
+            self._seq = (record.seq, ("seq", str(record.seq).encode()))
+        return [self._worker, group, self._epoch[1], self._seq[1]]
 
 
 class WorkerState(msgspec.Struct, frozen=True, gc=False):

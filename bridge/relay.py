@@ -9,8 +9,6 @@ the relay asks the tracker to count it as lost, which clears and degrades the wo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from bridge import records
 from bridge.catalog import GroupCatalog
 from bridge.fanout import clear_records, fan_out
@@ -19,13 +17,18 @@ from bridge.records import EventRecord, Topics
 from bridge.tracking import CancelFetch, Clear, Fetch, Forward, SequenceTracker, Step
 
 
-@dataclass
 class Handled:
-    outgoing: list[Outgoing] = field(default_factory=list)
-    fetches: list[Fetch] = field(default_factory=list)
-    cancelled: list[int] = field(default_factory=list)
-    events: list[Step] = field(default_factory=list)  # every step, for metrics and logs
-    catalog_changed: bool = False
+    """What the shell must do for some steps. One is made per engine batch, so it is a plain
+    class whose lists are literals, not a dataclass calling a default factory for each."""
+
+    __slots__ = ("cancelled", "catalog_changed", "events", "fetches", "outgoing")
+
+    def __init__(self) -> None:
+        self.outgoing: list[Outgoing] = []
+        self.fetches: list[Fetch] = []
+        self.cancelled: list[int] = []
+        self.events: list[Step] = []  # every step, for metrics and logs
+        self.catalog_changed = False
 
 
 class WorkerRelay:
@@ -46,35 +49,40 @@ class WorkerRelay:
         self._rank = data_parallel_rank
         self._max_record_bytes = max_record_bytes
         self._keys: dict[int, bytes] = {}  # by group: the key never changes
+        self._headers = records.EventHeaders(worker)
 
     def handle(self, steps: list[Step], now: float) -> Handled:
         """Everything the shell must do for these steps, in order."""
         handled = Handled()
-        pending = list(reversed(steps))
-        while pending:
-            step = pending.pop()
-            handled.events.append(step)
-            if type(step) is Forward:
-                more = self._forward(step, handled)
-                pending.extend(reversed(more))
-            elif isinstance(step, Clear):
-                handled.outgoing.append(self._clear(step, now))
-            elif isinstance(step, Fetch):
-                handled.fetches.append(step)
-            elif isinstance(step, CancelFetch):
-                handled.cancelled.append(step.fetch_id)
+        for step in steps:
+            self._handle(step, handled, now)
         return handled
 
+    def _handle(self, step: Step, handled: Handled, now: float) -> None:
+        handled.events.append(step)
+        if type(step) is Forward:
+            for answer in self._forward(step, handled):
+                self._handle(answer, handled, now)
+        elif isinstance(step, Clear):
+            handled.outgoing.append(self._clear(step, now))
+        elif isinstance(step, Fetch):
+            handled.fetches.append(step)
+        elif isinstance(step, CancelFetch):
+            handled.cancelled.append(step.fetch_id)
+
     def _forward(self, step: Forward, handled: Handled) -> list[Step]:
-        """Queue the batch's records; the tracker's answer instead if they are too large."""
-        handled.catalog_changed |= self.catalog.learn(step.batch.events)
-        event_records = fan_out(self.worker, step.epoch, step.seq, step.batch, self.catalog.groups)
-        encoded = [self._encode(record) for record in event_records]
-        if any(len(record.value) > self._max_record_bytes for record in encoded):
-            return self.tracker.on_unwritable(step.seq, self._max_record_bytes)
+        """Queue the batch's records; the tracker's answer instead if one is too large."""
         batch = step.batch
-        outgoing = Outgoing(self.worker, step.epoch, step.seq, batch.ts, encoded, True)
-        handled.outgoing.append(outgoing)
+        handled.catalog_changed |= self.catalog.learn(batch.events)
+        encoded = []
+        for record in fan_out(self.worker, step.epoch, step.seq, batch, self.catalog.groups):
+            kafka_record = self._encode(record)
+            if len(kafka_record.value) > self._max_record_bytes:
+                return self.tracker.on_unwritable(step.seq, self._max_record_bytes)
+            encoded.append(kafka_record)
+        handled.outgoing.append(
+            Outgoing(self.worker, step.epoch, step.seq, batch.ts, encoded, True)
+        )
         return []
 
     def _clear(self, step: Clear, now: float) -> Outgoing:
@@ -87,4 +95,4 @@ class WorkerRelay:
         key = self._keys.get(record.group_idx)
         if key is None:
             key = self._keys[record.group_idx] = records.event_key(self.worker, record.group_idx)
-        return KafkaRecord(self._topic, key, records.encode(record), record.headers())
+        return KafkaRecord(self._topic, key, records.encode(record), self._headers.of(record))

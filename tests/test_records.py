@@ -72,6 +72,21 @@ def test_event_record_round_trip_with_every_event_type() -> None:
     }
 
 
+def test_event_headers_reused_across_a_workers_records_match_each_record() -> None:
+    """One ``EventHeaders`` serves every record of a worker: a changed group, epoch or seq,
+    including a bridge-made clear's seq -1, shows in the next record's headers."""
+    headers = records.EventHeaders("w-dp1")
+    positions = [(0, 1, 0), (0, 1, 1), (0, 2, 0), (1, -1, 0), (1, -1, 1), (1, 0, 1), (3, 0, 12)]
+    for epoch, seq, group in positions:
+        record = EventRecord("w-dp1", epoch, seq, 1.0, group, [])
+        assert headers.of(record) == [
+            ("worker", b"w-dp1"),
+            ("group", str(group).encode()),
+            ("epoch", str(epoch).encode()),
+            ("seq", str(seq).encode()),
+        ]
+
+
 def test_worker_state_and_dead_letter_round_trip() -> None:
     state = WorkerState(
         worker="w",
