@@ -394,6 +394,7 @@ async def _forward(job: ForwarderJob, ready: Event, result: mp.Queue) -> None:  
     last_seq = [0] * len(subs)
     held: dict[int, list[Encoded]] = defaultdict(list)
     in_flight: list[asyncio.Future[object]] = []
+    headers = [records.EventHeaders(f"e{index}") for index in range(len(subs))]
     while min(last_seq) < job.steps or held or in_flight:
         for index, sub in enumerate(subs):
             for frames in take_ready(sub, RECEIVE_LIMIT):
@@ -402,7 +403,8 @@ async def _forward(job: ForwarderJob, ready: Event, result: mp.Queue) -> None:  
                 for record in fan_out(f"e{index}", 0, last_seq[index], batch, (0, 1)):
                     key = records.event_key(record.worker, record.group_idx)
                     partition = partitioner(key, partitions, partitions)
-                    held[partition].append((key, records.encode(record), record.headers()))
+                    encoded = (key, records.encode(record), headers[index].of(record))
+                    held[partition].append(encoded)
         if in_flight and all(future.done() for future in in_flight):
             for future in in_flight:
                 future.result()

@@ -141,6 +141,10 @@ class KafkaSink:
             self._room.clear()
             await self._room.wait()
 
+    async def wait_idle(self) -> None:
+        """Until everything queued is acknowledged (or refused) and every due state written."""
+        await self._idle.wait()
+
     def state_changed(self) -> None:
         """A worker's health, epoch or groups changed: write its state without waiting."""
         self._work.set()

@@ -317,7 +317,7 @@ async def _serve(
     )
     if starting.done():
         starting.result()
-        _tune_garbage_collector()
+        tune_garbage_collector()
         await stopping.wait()
     else:
         starting.cancel()
@@ -327,7 +327,7 @@ async def _serve(
     return EXIT_OK
 
 
-def _tune_garbage_collector() -> None:
+def tune_garbage_collector() -> None:
     """Collect young objects less often and never walk what start-up built.
 
     Every engine batch allocates a few hundred short-lived objects, so with CPython's default
