@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from producer.events import DecodedBatch, WireDecodeError, decode
 
@@ -44,9 +45,9 @@ class Rejected:
     seq: int | None = None  # known when the frames were well formed up to the payload
 
 
-@dataclass(frozen=True, slots=True)
-class SeqFrames:
-    """A well-formed message: topic, seq and a payload still to decode."""
+class SeqFrames(NamedTuple):
+    """A well-formed message: topic, seq and a payload still to decode. A named tuple, as one
+    is made per message: a frozen dataclass takes twice as long to build."""
 
     topic: bytes
     seq: int
