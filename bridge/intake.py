@@ -122,9 +122,14 @@ class Intake:
         for _ in range(self._round_limit):
             # zmq_poll hands back the very sockets it was given
             ready = [cast(_Sub, sock) for sock, _ in zmq.zmq_poll(polled, 0)] if polled else []
+            polled = []
             for sock in ready:
-                taken.setdefault(sock, []).append(take_one(sock))
-            polled = [(sock, zmq.POLLIN) for sock in ready]
+                try:
+                    message = take_one(sock)
+                except zmq.Again:  # the poll said ready; should ZMQ disagree, poll it next round
+                    continue
+                taken.setdefault(sock, []).append(message)
+                polled.append((sock, zmq.POLLIN))
         for sock, messages in taken.items():
             registration = self._sockets.get(sock)
             if registration is None:  # a handler removed it this round

@@ -61,13 +61,18 @@ def find_state(is_cached: IsCached, max_len: int, block: int, align: int) -> int
     return 0
 
 
-def find_chunk(is_cached: IsCached, max_len: int, block: int, chunk: int) -> int:
-    """Blocks before the current chunk are skipped; inside it, left to right."""
-    start = max_len // chunk * chunk // block
-    blocks = start
-    while blocks < max_len // block and is_cached(blocks):
-        blocks += 1
-    return blocks * block
+def find_chunk(is_cached: IsCached, max_len: int, block: int, chunk: int, align: int) -> int:
+    """The longest aligned length whose current chunk is cached; blocks before it are skipped.
+
+    With one group (``align == block``) this is vLLM's scan from the chunk's start. Beside
+    groups of a larger block size a hit must be aligned too, and an aligned length short of the
+    chunk's start lies in an earlier chunk, whose blocks it then needs.
+    """
+    for length in range(max_len - max_len % align, 0, -align):
+        start = length // chunk * chunk // block
+        if all(is_cached(i) for i in range(start, length // block)):
+            return length
+    return 0
 
 
 def hybrid_hit(finders: Sequence[Finder], max_len: int) -> int:
@@ -257,7 +262,7 @@ class ReferenceIndex:
             return lambda max_len: find_state(is_cached, max_len, size, align)
         if spec.kind == "chunked_local_attention" and spec.chunk_size:
             chunk = spec.chunk_size
-            return lambda max_len: find_chunk(is_cached, max_len, size, chunk)
+            return lambda max_len: find_chunk(is_cached, max_len, size, chunk, align)
         return lambda max_len: find_full(is_cached, max_len, size, align)
 
     def _max_len(self, hashes: Sequence[ExternalBlockHash], num_tokens: int) -> int:
@@ -372,5 +377,8 @@ def test_model_window_needs_trailing_run_or_leading_prefix() -> None:
 
 def test_model_state_and_chunk_finders() -> None:
     assert find_state(cached_blocks(1, 4), 10 * 4, 4, 8) == 2 * 4  # block 4 ends unaligned
-    assert find_chunk(cached_blocks(2), 15, 4, 8) == 12  # vLLM's docstring example 1
-    assert find_chunk(cached_blocks(), 16, 4, 8) == 16  # example 2: whole chunk skipped
+    assert find_chunk(cached_blocks(2), 15, 4, 8, 4) == 12  # vLLM's docstring example 1
+    assert find_chunk(cached_blocks(), 16, 4, 8, 4) == 16  # example 2: whole chunk skipped
+    # Beside a group of block size 8: 12 is not aligned, and 8 needs blocks 0 and 1.
+    assert find_chunk(cached_blocks(), 13, 4, 12, 8) == 0
+    assert find_chunk(cached_blocks(0, 1), 13, 4, 12, 8) == 8
