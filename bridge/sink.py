@@ -163,7 +163,7 @@ class KafkaSink:
         Returns the number of queued items left undelivered (logged by the caller).
         """
         with contextlib.suppress(TimeoutError):  # what is left is counted below
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self.wait_idle(), timeout)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
