@@ -3,14 +3,25 @@
 A record per group keeps each (worker, group) key's records in one partition and in order, so a
 consumer of one group never waits for another. An ``AllBlocksCleared`` empties every group, so it
 is copied into every group the worker is known to have, at its place among the other events.
+A group's events too many for one Kafka record are split over parts (``split_to_fit``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
+from bridge import records
 from bridge.records import EventRecord
 from producer.events import AllBlocksCleared, KVEvent, KVEventBatch
+
+# What a part's record costs beyond its events is measured on an empty one numbered with a part
+# no split reaches, plus what a list's msgpack header can grow by (1 byte when empty, at most 5):
+# every part fits, with at most 8 bytes to spare.
+_ARRAY_HEADER_GROWTH = 4
+_LARGEST_PART = 2**32 - 1
+_event_encoder = msgspec.msgpack.Encoder()
 
 
 def fan_out(
@@ -48,4 +59,30 @@ def clear_records(
     return [
         EventRecord(worker, epoch, seq, ts, group, [AllBlocksCleared()], data_parallel_rank)
         for group in groups
+    ]
+
+
+def split_to_fit(record: EventRecord, max_bytes: int) -> list[EventRecord] | None:
+    """The record's events, in order, over parts 0, 1, ... whose encodings are at most
+    ``max_bytes`` each; None when one event alone cannot fit a record.
+
+    msgpack writes a list as a header followed by its items, so a part's size is what the record
+    costs without events, plus its list header, plus each event's own encoding.
+    """
+    empty = msgspec.structs.replace(record, events=[], part=_LARGEST_PART)
+    room = max_bytes - len(records.encode(empty)) - _ARRAY_HEADER_GROWTH
+    parts: list[list[KVEvent]] = [[]]
+    used = 0
+    for event in record.events:
+        size = len(_event_encoder.encode(event))
+        if size > room:
+            return None
+        if used + size > room:
+            parts.append([])
+            used = 0
+        parts[-1].append(event)
+        used += size
+    return [
+        msgspec.structs.replace(record, events=events, part=part)
+        for part, events in enumerate(parts)
     ]

@@ -8,7 +8,7 @@ The bridge writes these records and the consumers read them; nothing else define
 - ``<prefix>.deadletter``: one ``DeadLetter`` per frame the bridge could not decode.
 
 Delivery is at least once; a consumer makes it exactly-once in effect by ignoring any
-(worker, epoch, group) record whose seq it has already applied.
+(worker, epoch, group) record whose (seq, part) it has already applied.
 """
 
 from __future__ import annotations
@@ -78,6 +78,11 @@ class EventRecord(msgspec.Struct, frozen=True, gc=False):
     known group. A clear the bridge makes carries a seq that keeps ``(epoch, seq)`` in order
     within a key: -1 for the clear that opens an engine's new life (whose seqs start at 0
     again), otherwise the last seq it accounts for; its ``ts`` is the bridge's clock.
+
+    ``part`` numbers the records of one (batch, group) whose events are too many for one Kafka
+    record (an engine's snapshot of a large cache): the events are split, in order, over records
+    of the same seq with parts 0, 1, ... . Nearly every record is part 0, the default, which a
+    record from before parts existed also decodes to.
     """
 
     worker: str
@@ -87,6 +92,7 @@ class EventRecord(msgspec.Struct, frozen=True, gc=False):
     group_idx: int
     events: list[KVEvent]
     data_parallel_rank: int | None = None
+    part: int = 0
 
     def headers(self) -> list[tuple[str, bytes]]:
         """Kafka headers repeating the routing fields, for tools that do not decode values."""
@@ -114,7 +120,10 @@ class EventHeaders:
             self._epoch = (record.epoch, ("epoch", str(record.epoch).encode()))
         if self._seq[0] != record.seq:
             self._seq = (record.seq, ("seq", str(record.seq).encode()))
-        return [self._worker, group, self._epoch[1], self._seq[1]]
+        headers = [self._worker, group, self._epoch[1], self._seq[1]]
+        if record.part:
+            headers.append(("part", str(record.part).encode()))
+        return headers
 
 
 class WorkerState(msgspec.Struct, frozen=True, gc=False):

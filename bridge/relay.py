@@ -3,15 +3,16 @@
 The tracker decides what to forward; the relay turns each decision into encoded records (after
 letting the group catalog learn from the batch, so that a clear reaches groups first seen in the
 same batch) and tells its shell what else to do: fetches to start or cancel, and what happened,
-for metrics and logs. A batch whose record would exceed Kafka's size limit cannot be written:
-the relay asks the tracker to count it as lost, which clears and degrades the worker.
+for metrics and logs. A group's record that would exceed Kafka's size limit is split over parts
+(an engine's snapshot of a large cache); a batch with one event too large for any record cannot
+be written: the relay asks the tracker to count it as lost, which clears and degrades the worker.
 """
 
 from __future__ import annotations
 
 from bridge import records
 from bridge.catalog import GroupCatalog
-from bridge.fanout import clear_records, fan_out
+from bridge.fanout import clear_records, fan_out, split_to_fit
 from bridge.outbox import KafkaRecord, Outgoing
 from bridge.records import EventRecord, Topics
 from bridge.tracking import CancelFetch, Clear, Fetch, Forward, SequenceTracker, Step
@@ -71,15 +72,19 @@ class WorkerRelay:
             handled.cancelled.append(step.fetch_id)
 
     def _forward(self, step: Forward, handled: Handled) -> list[Step]:
-        """Queue the batch's records; the tracker's answer instead if one is too large."""
+        """Queue the batch's records; the tracker's answer instead if one cannot be written."""
         batch = step.batch
         handled.catalog_changed |= self.catalog.learn(batch.events)
         encoded = []
         for record in fan_out(self.worker, step.epoch, step.seq, batch, self.catalog.groups):
             kafka_record = self._encode(record)
-            if len(kafka_record.value) > self._max_record_bytes:
+            if len(kafka_record.value) <= self._max_record_bytes:
+                encoded.append(kafka_record)
+                continue
+            parts = split_to_fit(record, self._max_record_bytes)
+            if parts is None:
                 return self.tracker.on_unwritable(step.seq, self._max_record_bytes)
-            encoded.append(kafka_record)
+            encoded += [self._encode(part) for part in parts]
         handled.outgoing.append(
             Outgoing(self.worker, step.epoch, step.seq, batch.ts, encoded, True)
         )

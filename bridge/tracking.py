@@ -28,8 +28,8 @@ How the shell must drive it:
   ``on_fetch_failed`` when the reply stalls. A ``CancelFetch`` (or a newer ``Fetch``) ends the
   old one; late messages of a superseded fetch are ignored anyway.
 * ``on_undecodable`` for a frame with a valid seq but a payload that cannot be used,
-  ``on_unwritable`` for a forwarded batch too large to write, and ``on_delivery_failed`` when
-  Kafka refused a forwarded batch for good.
+  ``on_unwritable`` for a forwarded batch with an event too large to write, and
+  ``on_delivery_failed`` when Kafka refused a forwarded batch for good.
 """
 
 from __future__ import annotations
@@ -356,12 +356,12 @@ class SequenceTracker:
         return self._finish(steps)
 
     def on_unwritable(self, seq: int, limit: int) -> list[Step]:
-        """A batch just forwarded turned out too large for Kafka: it is lost after all.
+        """A batch just forwarded holds an event too large for any Kafka record: it is lost.
 
         Nothing after it has been written yet, so a clear in its place keeps the log in order.
-        No snapshot is asked for: it could well be too large too.
+        No snapshot is asked for: it could well hold such an event too.
         """
-        cause = f"a record of seq {seq} exceeds the Kafka record limit of {limit} bytes"
+        cause = f"an event of seq {seq} exceeds the Kafka record limit of {limit} bytes"
         steps: list[Step] = [GapUnrecoverable(seq, seq + 1, cause), Clear(self.epoch, seq, cause)]
         self.degraded = True
         return self._finish(steps)

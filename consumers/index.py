@@ -140,6 +140,7 @@ class _Worker:
         "epoch",
         "groups",
         "health",
+        "last_part",
         "last_seq",
         "mine",
         "name",
@@ -160,6 +161,7 @@ class _Worker:
         self.health: Health = "live"
         self.groups: dict[int, GroupSpec] = {}
         self.last_seq: dict[int, int] = {}
+        self.last_part: dict[int, int] = {}  # the part applied at last_seq: records split
         self.resident: dict[LaneKey, int] = {}
 
 
@@ -235,7 +237,8 @@ class KVIndex:
     # ----------------------------------------------------------------------------- applying
 
     def apply(self, record: EventRecord) -> ApplyOutcome:
-        """Apply one (worker, epoch, seq, group) record; replays and older epochs change nothing."""
+        """Apply one (worker, epoch, seq, part, group) record; replays and older epochs change
+        nothing."""
         worker = self._worker(record.worker)
         if record.epoch < worker.epoch:
             self._counters.stale_epoch_ignored += 1
@@ -243,10 +246,12 @@ class KVIndex:
         if record.epoch > worker.epoch:
             self._start_epoch(worker, record.epoch)
         group = record.group_idx
-        if record.seq <= worker.last_seq.get(group, -1):
+        last = (worker.last_seq.get(group, -1), worker.last_part.get(group, 0))
+        if (record.seq, record.part) <= last:
             self._counters.duplicates_ignored += 1
             return ApplyOutcome.DUPLICATE
         worker.last_seq[group] = record.seq
+        worker.last_part[group] = record.part
         for event in record.events:
             if isinstance(event, BlockStored):
                 self._learn_group(worker, group, event)
@@ -443,6 +448,7 @@ class KVIndex:
         self._drop(worker, self._lanes)
         worker.epoch = epoch
         worker.last_seq.clear()
+        worker.last_part.clear()
         self._counters.restarts += 1
 
     def _drop(self, worker: _Worker, groups: Iterable[int]) -> None:
@@ -748,6 +754,7 @@ class KVIndex:
         worker.health = saved.health
         worker.groups = saved.groups
         worker.last_seq = saved.last_seq
+        worker.last_part = saved.last_part
         worker.resident = {(group, medium): count for group, medium, count in saved.resident}
         self._workers[saved.name] = self._by_slot[saved.slot] = worker
         self._spread(worker)
@@ -965,6 +972,7 @@ class _WorkerSnapshot(msgspec.Struct, array_like=True, gc=False):
     groups: dict[int, GroupSpec]
     last_seq: dict[int, int]
     resident: list[tuple[int, str, int]]
+    last_part: dict[int, int] = {}  # absent from snapshots made before records had parts
 
 
 class _MediumSnapshot(msgspec.Struct, array_like=True, gc=False):
@@ -1004,6 +1012,7 @@ def _worker_snapshot(worker: _Worker) -> _WorkerSnapshot:
         groups=worker.groups,
         last_seq=worker.last_seq,
         resident=[(group, medium, count) for (group, medium), count in worker.resident.items()],
+        last_part=worker.last_part,
     )
 
 

@@ -128,6 +128,34 @@ def test_seqs_are_tracked_per_group() -> None:
     assert index.workers()[0].last_seq == {0: 3, 1: 7}
 
 
+def test_parts_of_one_seq_are_applied_in_order_once_each() -> None:
+    """A group's events split over parts (a snapshot too large for one Kafka record)."""
+    index = KVIndex(hash_block_size=B)
+    parts = [msgspec.structs.replace(record(4, 0, stored([n], 0)), part=n) for n in range(3)]
+    assert [index.apply(p) for p in parts] == [ApplyOutcome.APPLIED] * 3
+    assert only(index.score([0, 1, 2], 4 * B)).hit_tokens == 3 * B
+    # redelivered after a bridge restart: every part already applied is a duplicate, also
+    # after a restore
+    restored = KVIndex.restore(index.snapshot())
+    for each in (index, restored):
+        assert {each.apply(p) for p in parts} == {ApplyOutcome.DUPLICATE}
+        assert each.apply(record(4, 0, removed([0], 0))) is ApplyOutcome.DUPLICATE  # part 0
+        assert each.apply(record(5, 0, removed([0], 0))) is ApplyOutcome.APPLIED
+        assert only(each.score([0, 1, 2], 4 * B)).hit_tokens == 0
+
+
+def test_a_snapshot_saved_before_records_had_parts_restores() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(4, 0, stored([1], 0)))
+    saved = msgspec.msgpack.decode(index.snapshot())
+    for worker in saved["workers"]:
+        del worker[-1]  # last_part, the one field such a snapshot lacks
+    restored = KVIndex.restore(msgspec.msgpack.encode(saved))
+    assert restored.workers() == index.workers()
+    assert restored.apply(record(4, 0, removed([1], 0))) is ApplyOutcome.DUPLICATE
+    assert restored.apply(record(5, 0, removed([1], 0))) is ApplyOutcome.APPLIED
+
+
 def test_older_epoch_is_ignored_and_newer_epoch_clears_the_worker() -> None:
     index = KVIndex(hash_block_size=B)
     index.apply(record(0, 0, stored([1, 2, 3], 0)))

@@ -10,7 +10,7 @@ one descending scan), so the property and trace tests compare the two.
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -93,6 +93,7 @@ class ModelWorker:
     health: str = "live"
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     last_seq: dict[int, int] = field(default_factory=dict)
+    last_part: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
     held: dict[tuple[int, str], Counter[ExternalBlockHash]] = field(default_factory=dict)
 
 
@@ -145,13 +146,15 @@ class ReferenceIndex:
         if record.epoch > worker.epoch:
             worker.held = {}
             worker.last_seq = {}
+            worker.last_part = defaultdict(int)
             worker.epoch = record.epoch
             self.counters.restarts += 1
         group = record.group_idx
-        if record.seq <= worker.last_seq.get(group, -1):
+        if (record.seq, record.part) <= (worker.last_seq.get(group, -1), worker.last_part[group]):
             self.counters.duplicates_ignored += 1
             return ApplyOutcome.DUPLICATE
         worker.last_seq[group] = record.seq
+        worker.last_part[group] = record.part
         for event in record.events:
             if isinstance(event, BlockStored):
                 self._learn(worker, group, event)

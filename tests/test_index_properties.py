@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from unittest.mock import patch
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -184,7 +185,12 @@ class Fleet:
         """Store a span, twice in one record if asked: two copies of each hash."""
         hashes = self.hashes(worker, group, span)
         events = [self.store(worker, group, medium, hashes)] * (2 if twice else 1)
-        self.apply(self.record(worker, group, events, self.epochs.get(worker, 0)))
+        record = self.record(worker, group, events, self.epochs.get(worker, 0))
+        if twice and record.seq % 2:  # as the bridge splits a record too large for Kafka
+            for part, event in enumerate(events):
+                self.apply(msgspec.structs.replace(record, events=[event], part=part))
+        else:
+            self.apply(record)
         self.stored.append((worker, group, medium, hashes))
 
     def evict(self, which: int, start: int, length: int) -> None:

@@ -210,7 +210,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=positive_int,
         default=env("HMAKV_BRIDGE_MAX_RECORD_BYTES", str(8 * 1024 * 1024)),
         metavar="BYTES",
-        help="largest event record; a batch with a larger one is lost and its worker degraded "
+        help="largest event record; a group's larger one is split over parts, a batch with an "
+        "event larger on its own is lost and its worker degraded "
         "(env HMAKV_BRIDGE_MAX_RECORD_BYTES, default 8 MiB)",
     )
     add(

@@ -246,11 +246,13 @@ class KafkaLog:
         return [record for record in self.events if record.worker == worker]
 
     def applied(self, worker: str) -> dict[int, list[EventRecord]]:
-        """Per group, the records a consumer applies: newest epoch, each seq once, in order."""
+        """Per group, the records a consumer applies: newest epoch, each seq and part once, in
+        order."""
         applied: dict[int, list[EventRecord]] = defaultdict(list)
         for record in self.records_of(worker):
             kept = applied[record.group_idx]
-            if kept and (record.epoch, record.seq) <= (kept[-1].epoch, kept[-1].seq):
+            position = (record.epoch, record.seq, record.part)
+            if kept and position <= (kept[-1].epoch, kept[-1].seq, kept[-1].part):
                 continue
             kept.append(record)
         return dict(applied)

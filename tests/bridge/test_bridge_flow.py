@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -27,7 +28,7 @@ from bridge_harness import (
 )
 
 from bridge.config import EngineConfig
-from bridge.records import event_key
+from bridge.records import encode, event_key
 from producer.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 pytestmark = pytest.mark.kafka
@@ -231,6 +232,16 @@ async def test_a_ring_too_short_clears_the_worker_and_marks_it_degraded(
     assert not [r for r in log.records_of("engine-a") if 0 <= r.seq < clear_seq]
 
 
+def live_at(seq: int) -> Callable[[KafkaLog], bool]:
+    """Whether the workers topic says engine-a is live and forwarded up to ``seq``."""
+
+    def reached(log: KafkaLog) -> bool:
+        state = log.state("engine-a")
+        return state is not None and (state.last_seq, state.health) == (seq, "live")
+
+    return reached
+
+
 async def test_a_ring_too_short_is_bridged_by_the_engines_snapshot(kafka_bootstrap: str) -> None:
     engine = EngineThread("engine-a", buffer_steps=5, snapshots=True)
     settings = settings_for(kafka_bootstrap)
@@ -239,12 +250,7 @@ async def test_a_ring_too_short_is_bridged_by_the_engines_snapshot(kafka_bootstr
         async with running_bridge(settings, [engine.config]) as bridge:
             await engine.published_all(5, interval=0.01)
             log = KafkaLog(kafka_bootstrap, settings.topics)
-
-            def caught_up(log: KafkaLog) -> bool:
-                state = log.state("engine-a")
-                return state is not None and (state.last_seq, state.health) == (35, "live")
-
-            await log.wait_for(caught_up, "every step after the snapshot, the worker live")
+            await log.wait_for(live_at(35), "every step after the snapshot, the worker live")
             replayed = metric(
                 bridge, "hmakv_bridge_gaps_replayed_total", worker="engine-a", by="snapshot"
             )
@@ -257,4 +263,29 @@ async def test_a_ring_too_short_is_bridged_by_the_engines_snapshot(kafka_bootstr
         stored = {int(e.block_hashes[0]) for e in record.events if isinstance(e, BlockStored)}
         assert stored == resident[record.group_idx]
     after = [r for r in log.records_of("engine-a") if r.seq > snapshot_seq]
+    assert by_group(after) == by_group(expected_records("engine-a", 0, engine, snapshot_seq + 1))
+
+
+async def test_a_snapshot_too_large_for_one_record_arrives_in_parts(kafka_bootstrap: str) -> None:
+    """With ``--max-record-bytes`` just above a step's records, each group's snapshot is split
+    over parts of its seq: nothing is lost, the worker stays live."""
+    engine = EngineThread("engine-a", buffer_steps=5, snapshots=True)
+    with engines_running(engine):
+        await engine.published_all(30)
+        step_bytes = max(len(encode(r)) for r in expected_records("engine-a", 0, engine))
+        settings = settings_for(kafka_bootstrap, max_record_bytes=step_bytes + 16)
+        async with running_bridge(settings, [engine.config]):
+            await engine.published_all(5, interval=0.01)
+            log = KafkaLog(kafka_bootstrap, settings.topics)
+            await log.wait_for(live_at(35), "every step after the snapshot, the worker live")
+    assert not degraded_clears(log, "engine-a")
+    written = log.records_of("engine-a")
+    snapshot_seq = max(r.seq for r in written if r.events[0] == AllBlocksCleared())
+    resident = resident_after(engine, snapshot_seq)
+    for group, parts in by_group([r for r in written if r.seq == snapshot_seq]).items():
+        assert [r.part for r in parts] == list(range(len(parts))) and len(parts) > 1
+        events = [e for r in parts for e in r.events]
+        assert events[0] == AllBlocksCleared()
+        assert {int(e.block_hashes[0]) for e in events[1:]} == resident[group]  # type: ignore[union-attr]
+    after = [r for r in written if r.seq > snapshot_seq]
     assert by_group(after) == by_group(expected_records("engine-a", 0, engine, snapshot_seq + 1))

@@ -31,7 +31,7 @@ from bridge.frames import (
     split_reply,
 )
 from bridge.logs import JsonFormatter, RateLimitedLog
-from bridge.records import Topics
+from bridge.records import EventRecord, Topics
 from bridge.relay import WorkerRelay
 from bridge.tracking import Clear, Forward, GapUnrecoverable, HealthChanged, SequenceTracker
 from producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch, encode
@@ -282,7 +282,25 @@ def test_forwarded_batches_become_keyed_encoded_records() -> None:
     assert [records.decode_event_record(r.value).group_idx for r in cleared.records] == [0, 1]
 
 
-def test_a_batch_too_large_for_kafka_is_lost_and_clears_the_worker() -> None:
+def test_a_group_too_large_for_one_record_is_split_over_parts_of_its_seq() -> None:
+    """An engine's snapshot of a large cache: forwarded whole, in parts, the worker live."""
+    big = [store(0) for _ in range(40)]
+    limit = len(records.encode(EventRecord("w", 0, 1, 2.0, 0, big[:10], 0))) + 8
+    worker = relay(max_record_bytes=limit)
+    worker.tracker.on_live(0, KVEventBatch(1.0, [], 0))
+    handled = worker.handle(worker.tracker.on_live(1, KVEventBatch(2.0, [*big, store(1)], 0)), 3.0)
+    assert [type(e) for e in handled.events] == [Forward]
+    [outgoing] = handled.outgoing
+    assert (outgoing.seq, outgoing.engine_batch) == (1, True)
+    written = [records.decode_event_record(r.value) for r in outgoing.records]
+    assert [(r.group_idx, r.part) for r in written] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
+    assert [e for r in written if r.group_idx == 0 for e in r.events] == big
+    assert all(len(r.value) <= limit for r in outgoing.records)
+    assert [dict(r.headers).get("part") for r in outgoing.records] == [None, b"1", b"2", b"3", None]
+    assert worker.tracker.health == "live"
+
+
+def test_a_batch_with_an_event_too_large_for_kafka_is_lost_and_clears_the_worker() -> None:
     worker = relay(max_record_bytes=64)
     worker.tracker.on_live(0, KVEventBatch(1.0, [], 0))
     handled = worker.handle(worker.tracker.on_live(1, KVEventBatch(2.0, [store(0)], 0)), now=3.0)

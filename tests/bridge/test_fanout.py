@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bridge import records
 from bridge.catalog import GroupCatalog
-from bridge.fanout import clear_records, fan_out
+from bridge.fanout import clear_records, fan_out, split_to_fit
 from bridge.records import EventRecord
 from producer.events import (
     AllBlocksCleared,
@@ -94,6 +98,45 @@ def test_fan_out_loses_and_invents_nothing(events: list[KVEvent], known: set[int
     total = sum(len(r.events) for r in records)
     clears = sum(isinstance(e, AllBlocksCleared) for e in events)
     assert total == len(events) - clears + clears * len(known)
+
+
+@given(
+    events=st.lists(
+        st.one_of(
+            st.builds(store, st.just(0)),
+            st.builds(removal, st.just(0), st.integers(0, 2**64 - 1)),
+            st.just(AllBlocksCleared()),
+        ),
+        max_size=200,
+    ),
+    max_bytes=st.integers(300, 3000),
+)
+def test_split_to_fit_keeps_every_event_in_order_in_parts_that_fit(
+    events: list[KVEvent], max_bytes: int
+) -> None:
+    record = EventRecord("worker-with-a-long-name-dp3", 12, 2**40, 1.5, 0, events, 3)
+    parts = split_to_fit(record, max_bytes)
+    assert parts is not None  # every event here fits a record of 300 bytes
+    assert [p.part for p in parts] == list(range(len(parts)))
+    assert [e for p in parts for e in p.events] == events
+    assert all(len(records.encode(p)) <= max_bytes for p in parts)
+    assert {(p.worker, p.epoch, p.seq, p.ts, p.group_idx, p.data_parallel_rank) for p in parts} == {
+        ("worker-with-a-long-name-dp3", 12, 2**40, 1.5, 0, 3)
+    }
+    # Parts are sized for the largest part number and array header: up to 8 bytes to spare.
+    if len(records.encode(record)) + 8 <= max_bytes:
+        assert parts == [record]
+    for part, after in itertools.pairwise(parts):  # each part as full as it may be
+        grown = msgspec.structs.replace(part, events=[*part.events, after.events[0]])
+        assert len(records.encode(grown)) + 8 > max_bytes
+
+
+def test_split_to_fit_gives_up_on_an_event_no_record_can_hold() -> None:
+    hashes = [2**63 + i for i in range(100)]
+    huge = BlockStored(hashes, None, [], 16, None, "GPU", None, group_idx=0)
+    record = EventRecord("w", 0, 1, 1.0, 0, [store(0), huge, store(0)])
+    assert split_to_fit(record, 400) is None
+    assert split_to_fit(record, 2000) == [record]
 
 
 def test_the_catalog_learns_specs_from_stores_and_groups_from_removals() -> None:
