@@ -16,11 +16,11 @@ from bridge import records
 from bridge.records import EventRecord
 from producer.events import AllBlocksCleared, KVEvent, KVEventBatch
 
-# What a part's record costs beyond its events is measured on an empty one numbered with a part
-# no split reaches, plus what a list's msgpack header can grow by (1 byte when empty, at most 5):
+# What a part's record costs beyond its events is measured on an empty one with a first_event no
+# split reaches, plus what a list's msgpack header can grow by (1 byte when empty, at most 5):
 # every part fits, with at most 8 bytes to spare.
 _ARRAY_HEADER_GROWTH = 4
-_LARGEST_PART = 2**32 - 1
+_LARGEST_FIRST_EVENT = 2**32 - 1
 _event_encoder = msgspec.msgpack.Encoder()
 
 
@@ -63,26 +63,27 @@ def clear_records(
 
 
 def split_to_fit(record: EventRecord, max_bytes: int) -> list[EventRecord] | None:
-    """The record's events, in order, over parts 0, 1, ... whose encodings are at most
-    ``max_bytes`` each; None when one event alone cannot fit a record.
+    """The record's events, in order, over records (parts) whose encodings are at most
+    ``max_bytes`` each, each with its ``first_event``; None when one event alone cannot fit.
 
     msgpack writes a list as a header followed by its items, so a part's size is what the record
     costs without events, plus its list header, plus each event's own encoding.
     """
-    empty = msgspec.structs.replace(record, events=[], part=_LARGEST_PART)
+    empty = msgspec.structs.replace(record, events=[], first_event=_LARGEST_FIRST_EVENT)
     room = max_bytes - len(records.encode(empty)) - _ARRAY_HEADER_GROWTH
-    parts: list[list[KVEvent]] = [[]]
+    events = record.events
+    starts: list[int] = [0]
     used = 0
-    for event in record.events:
+    for index, event in enumerate(events):
         size = len(_event_encoder.encode(event))
         if size > room:
             return None
         if used + size > room:
-            parts.append([])
+            starts.append(index)
             used = 0
-        parts[-1].append(event)
         used += size
+    ends = [*starts[1:], len(events)]
     return [
-        msgspec.structs.replace(record, events=events, part=part)
-        for part, events in enumerate(parts)
+        msgspec.structs.replace(record, events=events[start:end], first_event=start)
+        for start, end in zip(starts, ends, strict=True)
     ]

@@ -8,7 +8,7 @@ The bridge writes these records and the consumers read them; nothing else define
 - ``<prefix>.deadletter``: one ``DeadLetter`` per frame the bridge could not decode.
 
 Delivery is at least once; a consumer makes it exactly-once in effect by ignoring any
-(worker, epoch, group) record whose (seq, part) it has already applied.
+(worker, epoch, group) event it has already applied: by seq, and within a seq by ``first_event``.
 """
 
 from __future__ import annotations
@@ -79,10 +79,12 @@ class EventRecord(msgspec.Struct, frozen=True, gc=False):
     within a key: -1 for the clear that opens an engine's new life (whose seqs start at 0
     again), otherwise the last seq it accounts for; its ``ts`` is the bridge's clock.
 
-    ``part`` numbers the records of one (batch, group) whose events are too many for one Kafka
-    record (an engine's snapshot of a large cache): the events are split, in order, over records
-    of the same seq with parts 0, 1, ... . Nearly every record is part 0, the default, which a
-    record from before parts existed also decodes to.
+    ``first_event`` is the position of the record's first event among the batch's events for
+    its group. It is 0 but where a group's events are too many for one Kafka record (an engine's
+    snapshot of a large cache) and are split, in order, over records of the same seq. A consumer
+    that keeps how many events of its last seq it applied takes each event once, even from a
+    batch sent again and split elsewhere (by a bridge with another record size limit). A record
+    from before the field existed decodes to 0.
     """
 
     worker: str
@@ -92,7 +94,7 @@ class EventRecord(msgspec.Struct, frozen=True, gc=False):
     group_idx: int
     events: list[KVEvent]
     data_parallel_rank: int | None = None
-    part: int = 0
+    first_event: int = 0
 
     def headers(self) -> list[tuple[str, bytes]]:
         """Kafka headers repeating the routing fields, for tools that do not decode values."""
@@ -121,8 +123,8 @@ class EventHeaders:
         if self._seq[0] != record.seq:
             self._seq = (record.seq, ("seq", str(record.seq).encode()))
         headers = [self._worker, group, self._epoch[1], self._seq[1]]
-        if record.part:
-            headers.append(("part", str(record.part).encode()))
+        if record.first_event:
+            headers.append(("first_event", str(record.first_event).encode()))
         return headers
 
 

@@ -48,7 +48,14 @@ from consumers.hit_rule import (
     longest_hits,
     rule_for,
 )
-from producer.events import MEDIUM_GPU, BlockRemoved, BlockStored, ExternalBlockHash, GroupSpec
+from producer.events import (
+    MEDIUM_GPU,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    GroupSpec,
+    KVEvent,
+)
 
 DEFAULT_HASH_BLOCK_SIZE = 16
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
@@ -64,6 +71,9 @@ AnswerKey = tuple[str, int | str]
 _HIT: AnswerKey = ("hit", 0)
 _BLIND: AnswerKey = ("blind", 0)
 _GPU_ONLY: Media = (MEDIUM_GPU,)
+# A group's last seq before any record: below the -1 of the clear that opens an epoch.
+_NONE_APPLIED = -2
+_WHOLE_SEQ = 2**62  # next_event of a seq applied whole
 
 
 class ApplyOutcome(enum.Enum):
@@ -140,10 +150,10 @@ class _Worker:
         "epoch",
         "groups",
         "health",
-        "last_part",
         "last_seq",
         "mine",
         "name",
+        "next_event",
         "others",
         "patterns",
         "resident",
@@ -161,7 +171,7 @@ class _Worker:
         self.health: Health = "live"
         self.groups: dict[int, GroupSpec] = {}
         self.last_seq: dict[int, int] = {}
-        self.last_part: dict[int, int] = {}  # the part applied at last_seq: records split
+        self.next_event: dict[int, int] = {}  # per group: events of its last_seq applied
         self.resident: dict[LaneKey, int] = {}
 
 
@@ -237,8 +247,8 @@ class KVIndex:
     # ----------------------------------------------------------------------------- applying
 
     def apply(self, record: EventRecord) -> ApplyOutcome:
-        """Apply one (worker, epoch, seq, part, group) record; replays and older epochs change
-        nothing."""
+        """Apply one (worker, epoch, seq, group) record's events; what was applied before (a
+        replay) and older epochs change nothing."""
         worker = self._worker(record.worker)
         if record.epoch < worker.epoch:
             self._counters.stale_epoch_ignored += 1
@@ -246,13 +256,13 @@ class KVIndex:
         if record.epoch > worker.epoch:
             self._start_epoch(worker, record.epoch)
         group = record.group_idx
-        last = (worker.last_seq.get(group, -1), worker.last_part.get(group, 0))
-        if (record.seq, record.part) <= last:
+        events = _unapplied(worker, record)
+        if events is None:
             self._counters.duplicates_ignored += 1
             return ApplyOutcome.DUPLICATE
         worker.last_seq[group] = record.seq
-        worker.last_part[group] = record.part
-        for event in record.events:
+        worker.next_event[group] = record.first_event + len(record.events)
+        for event in events:
             if isinstance(event, BlockStored):
                 self._learn_group(worker, group, event)
                 self._store(worker, group, event.medium or MEDIUM_GPU, event.block_hashes)
@@ -448,7 +458,7 @@ class KVIndex:
         self._drop(worker, self._lanes)
         worker.epoch = epoch
         worker.last_seq.clear()
-        worker.last_part.clear()
+        worker.next_event.clear()
         self._counters.restarts += 1
 
     def _drop(self, worker: _Worker, groups: Iterable[int]) -> None:
@@ -754,7 +764,8 @@ class KVIndex:
         worker.health = saved.health
         worker.groups = saved.groups
         worker.last_seq = saved.last_seq
-        worker.last_part = saved.last_part
+        # A snapshot from before records could be split applied each seq whole.
+        worker.next_event = {g: saved.next_event.get(g, _WHOLE_SEQ) for g in saved.last_seq}
         worker.resident = {(group, medium): count for group, medium, count in saved.resident}
         self._workers[saved.name] = self._by_slot[saved.slot] = worker
         self._spread(worker)
@@ -774,6 +785,23 @@ def _fitting_width(width: int, slots: int) -> int:
 def _moved(held: int, moves: Sequence[tuple[int, int]], mask: int) -> int:
     """``held``'s lanes moved: the ``mask`` bits at each source offset go to its target one."""
     return reduce(or_, ((held >> source & mask) << target for source, target in moves), 0)
+
+
+def _unapplied(worker: _Worker, record: EventRecord) -> list[KVEvent] | None:
+    """The record's events this worker's group has not applied yet; None when it has them all.
+
+    Within one seq, ``next_event`` says how many of the (batch, group)'s events were applied: a
+    record split over parts is taken part by part, and one sent again, split the same way or
+    not, only for what is new.
+    """
+    group = record.group_idx
+    last_seq = worker.last_seq.get(group, _NONE_APPLIED)
+    if record.seq != last_seq:
+        return record.events if record.seq > last_seq else None
+    done = worker.next_event[group] - record.first_event
+    if done >= len(record.events):
+        return None
+    return record.events[done:] if done > 0 else record.events
 
 
 def _rank(part: tuple[WorkerScore, int]) -> tuple[float, int]:
@@ -972,7 +1000,7 @@ class _WorkerSnapshot(msgspec.Struct, array_like=True, gc=False):
     groups: dict[int, GroupSpec]
     last_seq: dict[int, int]
     resident: list[tuple[int, str, int]]
-    last_part: dict[int, int] = {}  # absent from snapshots made before records had parts
+    next_event: dict[int, int] = {}  # absent from snapshots made before records could be split
 
 
 class _MediumSnapshot(msgspec.Struct, array_like=True, gc=False):
@@ -1012,7 +1040,7 @@ def _worker_snapshot(worker: _Worker) -> _WorkerSnapshot:
         groups=worker.groups,
         last_seq=worker.last_seq,
         resident=[(group, medium, count) for (group, medium), count in worker.resident.items()],
-        last_part=worker.last_part,
+        next_event=worker.next_event,
     )
 
 

@@ -128,28 +128,44 @@ def test_seqs_are_tracked_per_group() -> None:
     assert index.workers()[0].last_seq == {0: 3, 1: 7}
 
 
-def test_parts_of_one_seq_are_applied_in_order_once_each() -> None:
-    """A group's events split over parts (a snapshot too large for one Kafka record)."""
+def split(seq: int, group: int, events: list[KVEvent], *sizes: int) -> list[EventRecord]:
+    """The batch's records for one group as the bridge splits them, parts of these sizes."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [
+        msgspec.structs.replace(
+            record(seq, group, *events[start : start + size]), first_event=start
+        )
+        for start, size in zip(starts, sizes, strict=True)
+    ]
+
+
+def test_a_split_seq_is_applied_part_by_part_each_event_once() -> None:
+    """A group's events split over parts (a snapshot too large for one Kafka record), sent
+    again after a bridge restart, split the same way or elsewhere (another size limit)."""
+    events: list[KVEvent] = [stored([n], 0) for n in range(6)]
     index = KVIndex(hash_block_size=B)
-    parts = [msgspec.structs.replace(record(4, 0, stored([n], 0)), part=n) for n in range(3)]
-    assert [index.apply(p) for p in parts] == [ApplyOutcome.APPLIED] * 3
-    assert only(index.score([0, 1, 2], 4 * B)).hit_tokens == 3 * B
-    # redelivered after a bridge restart: every part already applied is a duplicate, also
-    # after a restore
+    first_send = split(4, 0, events, 2, 2, 2)
+    assert [index.apply(p) for p in first_send[:2]] == [ApplyOutcome.APPLIED] * 2
+    assert only(index.score(list(range(6)), 7 * B)).hit_tokens == 4 * B
     restored = KVIndex.restore(index.snapshot())
     for each in (index, restored):
-        assert {each.apply(p) for p in parts} == {ApplyOutcome.DUPLICATE}
-        assert each.apply(record(4, 0, removed([0], 0))) is ApplyOutcome.DUPLICATE  # part 0
+        # the bridge died before the last part; another limit splits the batch 3 + 3 now
+        outcomes = [each.apply(p) for p in split(4, 0, events, 3, 3)]
+        assert outcomes == [ApplyOutcome.DUPLICATE, ApplyOutcome.APPLIED]
+        assert each.counters.duplicate_copies == 0  # events 2 and 3 were not stored twice
+        assert only(each.score(list(range(6)), 7 * B)).hit_tokens == 6 * B
+        assert {each.apply(p) for p in first_send} == {ApplyOutcome.DUPLICATE}
+        assert each.apply(record(4, 0, removed([0], 0))) is ApplyOutcome.DUPLICATE
         assert each.apply(record(5, 0, removed([0], 0))) is ApplyOutcome.APPLIED
-        assert only(each.score([0, 1, 2], 4 * B)).hit_tokens == 0
+        assert only(each.score(list(range(6)), 7 * B)).hit_tokens == 0
 
 
-def test_a_snapshot_saved_before_records_had_parts_restores() -> None:
+def test_a_snapshot_saved_before_records_were_split_restores() -> None:
     index = KVIndex(hash_block_size=B)
     index.apply(record(4, 0, stored([1], 0)))
     saved = msgspec.msgpack.decode(index.snapshot())
     for worker in saved["workers"]:
-        del worker[-1]  # last_part, the one field such a snapshot lacks
+        del worker[-1]  # next_event, the one field such a snapshot lacks
     restored = KVIndex.restore(msgspec.msgpack.encode(saved))
     assert restored.workers() == index.workers()
     assert restored.apply(record(4, 0, removed([1], 0))) is ApplyOutcome.DUPLICATE

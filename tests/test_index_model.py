@@ -10,7 +10,7 @@ one descending scan), so the property and trace tests compare the two.
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -93,7 +93,7 @@ class ModelWorker:
     health: str = "live"
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     last_seq: dict[int, int] = field(default_factory=dict)
-    last_part: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
+    next_event: dict[int, int] = field(default_factory=dict)
     held: dict[tuple[int, str], Counter[ExternalBlockHash]] = field(default_factory=dict)
 
 
@@ -146,16 +146,22 @@ class ReferenceIndex:
         if record.epoch > worker.epoch:
             worker.held = {}
             worker.last_seq = {}
-            worker.last_part = defaultdict(int)
+            worker.next_event = {}
             worker.epoch = record.epoch
             self.counters.restarts += 1
         group = record.group_idx
-        if (record.seq, record.part) <= (worker.last_seq.get(group, -1), worker.last_part[group]):
+        # Events are numbered by (seq, position in the batch's group); each applies once, and
+        # nothing before the newest seq seen.
+        last_seq = worker.last_seq.get(group, -2)
+        applied = worker.next_event.get(group, 0) if record.seq == last_seq else 0
+        positions = range(record.first_event, record.first_event + len(record.events))
+        new = [e for p, e in zip(positions, record.events, strict=True) if p >= applied]
+        if record.seq < last_seq or (record.seq == last_seq and not new):
             self.counters.duplicates_ignored += 1
             return ApplyOutcome.DUPLICATE
         worker.last_seq[group] = record.seq
-        worker.last_part[group] = record.part
-        for event in record.events:
+        worker.next_event[group] = positions.stop
+        for event in new:
             if isinstance(event, BlockStored):
                 self._learn(worker, group, event)
                 self._store(worker, group, event.medium or "GPU", event.block_hashes)

@@ -187,8 +187,8 @@ class Fleet:
         events = [self.store(worker, group, medium, hashes)] * (2 if twice else 1)
         record = self.record(worker, group, events, self.epochs.get(worker, 0))
         if twice and record.seq % 2:  # as the bridge splits a record too large for Kafka
-            for part, event in enumerate(events):
-                self.apply(msgspec.structs.replace(record, events=[event], part=part))
+            for first, event in enumerate(events):
+                self.apply(msgspec.structs.replace(record, events=[event], first_event=first))
         else:
             self.apply(record)
         self.stored.append((worker, group, medium, hashes))

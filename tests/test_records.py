@@ -87,19 +87,19 @@ def test_event_headers_reused_across_a_workers_records_match_each_record() -> No
         ]
 
 
-def test_a_split_records_part_round_trips_and_shows_in_its_headers() -> None:
+def test_a_split_records_first_event_round_trips_and_shows_in_its_headers() -> None:
     headers = records.EventHeaders("w")
     first = EventRecord("w", 0, 5, 1.0, 0, [AllBlocksCleared()])
-    second = msgspec.structs.replace(first, part=1)
+    second = msgspec.structs.replace(first, first_event=1)
     assert records.decode_event_record(records.encode(second)) == second
     assert headers.of(first) == [("worker", b"w"), ("group", b"0"), ("epoch", b"0"), ("seq", b"5")]
-    assert headers.of(second) == [*headers.of(first), ("part", b"1")]
+    assert headers.of(second) == [*headers.of(first), ("first_event", b"1")]
 
 
-def test_a_record_written_before_parts_existed_decodes_as_part_0() -> None:
+def test_a_record_written_before_records_were_split_starts_at_event_0() -> None:
     old = {"worker": "w", "epoch": 0, "seq": 3, "ts": 1.0, "group_idx": 1, "events": []}
     record = records.decode_event_record(msgspec.msgpack.encode(old))
-    assert (record.seq, record.part) == (3, 0)
+    assert (record.seq, record.first_event) == (3, 0)
 
 
 def test_worker_state_and_dead_letter_round_trip() -> None:

@@ -210,7 +210,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=positive_int,
         default=env("HMAKV_BRIDGE_MAX_RECORD_BYTES", str(8 * 1024 * 1024)),
         metavar="BYTES",
-        help="largest event record; a group's larger one is split over parts, a batch with an "
+        help="largest event record; a group's larger one is split over several, a batch with an "
         "event larger on its own is lost and its worker degraded "
         "(env HMAKV_BRIDGE_MAX_RECORD_BYTES, default 8 MiB)",
     )

@@ -246,13 +246,13 @@ class KafkaLog:
         return [record for record in self.events if record.worker == worker]
 
     def applied(self, worker: str) -> dict[int, list[EventRecord]]:
-        """Per group, the records a consumer applies: newest epoch, each seq and part once, in
-        order."""
+        """Per group, the records a consumer applies: newest epoch, each seq (and each part of a
+        split one) once, in order."""
         applied: dict[int, list[EventRecord]] = defaultdict(list)
         for record in self.records_of(worker):
             kept = applied[record.group_idx]
-            position = (record.epoch, record.seq, record.part)
-            if kept and position <= (kept[-1].epoch, kept[-1].seq, kept[-1].part):
+            position = (record.epoch, record.seq, record.first_event)
+            if kept and position <= (kept[-1].epoch, kept[-1].seq, kept[-1].first_event):
                 continue
             kept.append(record)
         return dict(applied)

@@ -293,10 +293,17 @@ def test_a_group_too_large_for_one_record_is_split_over_parts_of_its_seq() -> No
     [outgoing] = handled.outgoing
     assert (outgoing.seq, outgoing.engine_batch) == (1, True)
     written = [records.decode_event_record(r.value) for r in outgoing.records]
-    assert [(r.group_idx, r.part) for r in written] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
+    assert [(r.group_idx, r.first_event) for r in written] == [
+        (0, 0),
+        (0, 10),
+        (0, 20),
+        (0, 30),
+        (1, 0),
+    ]
     assert [e for r in written if r.group_idx == 0 for e in r.events] == big
     assert all(len(r.value) <= limit for r in outgoing.records)
-    assert [dict(r.headers).get("part") for r in outgoing.records] == [None, b"1", b"2", b"3", None]
+    firsts = [dict(r.headers).get("first_event") for r in outgoing.records]
+    assert firsts == [None, b"10", b"20", b"30", None]
     assert worker.tracker.health == "live"
 
 

@@ -117,13 +117,14 @@ def test_split_to_fit_keeps_every_event_in_order_in_parts_that_fit(
     record = EventRecord("worker-with-a-long-name-dp3", 12, 2**40, 1.5, 0, events, 3)
     parts = split_to_fit(record, max_bytes)
     assert parts is not None  # every event here fits a record of 300 bytes
-    assert [p.part for p in parts] == list(range(len(parts)))
+    sizes = [len(p.events) for p in parts[:-1]]
+    assert [p.first_event for p in parts] == list(itertools.accumulate(sizes, initial=0))
     assert [e for p in parts for e in p.events] == events
     assert all(len(records.encode(p)) <= max_bytes for p in parts)
     assert {(p.worker, p.epoch, p.seq, p.ts, p.group_idx, p.data_parallel_rank) for p in parts} == {
         ("worker-with-a-long-name-dp3", 12, 2**40, 1.5, 0, 3)
     }
-    # Parts are sized for the largest part number and array header: up to 8 bytes to spare.
+    # Parts are sized for the largest first_event and list header: up to 8 bytes to spare.
     if len(records.encode(record)) + 8 <= max_bytes:
         assert parts == [record]
     for part, after in itertools.pairwise(parts):  # each part as full as it may be

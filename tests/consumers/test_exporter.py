@@ -72,6 +72,11 @@ async def test_metrics_parse_pass_promtool_and_report_the_index(
             await log.raw(topics.events, b"a/0", b"\xc1")
             follower = service.follower
             await wait_until(lambda: follower.stats.worker_states_applied == 2, "states applied")
+            # lag() knows only the log ends of the last fetch: wait for the last record itself
+            await wait_until(
+                lambda: (topics.events, "undecodable") in follower.stats.bad_records,
+                "the bad record counted",
+            )
             await wait_until(lambda: follower.ready and follower.lag() == 0, "caught up")
             await follower.snapshot_now()
             bodies: list[dict[str, list[int]]] = [{"block_hashes": [1, 2, 3]}, {"block_hashes": []}]
