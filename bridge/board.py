@@ -54,9 +54,10 @@ class WorkerBoard:
     def acknowledged(
         self, worker: str, epoch: int, seq: int, ts: float, *, engine_batch: bool
     ) -> None:
-        """Kafka holds the worker's records up to this position."""
+        """Kafka holds the worker's records up to this position (a record of an older epoch,
+        acknowledged late, moves nothing: the newer epoch is where a restart resumes)."""
         view = self.views.get(worker)
-        if view is None:
+        if view is None or epoch < view.epoch:
             return
         if epoch != view.epoch:
             view.epoch, view.last_seq, view.last_ts = epoch, -1, 0.0

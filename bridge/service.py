@@ -130,6 +130,7 @@ class BridgeService:
         self._probe: asyncio.Task[None] | None = None
         self._kafka_reachable = False
         self._started = False
+        self._crashed = asyncio.Event()  # a task the bridge cannot work without has ended
 
     # --- life cycle ------------------------------------------------------------------------------
 
@@ -152,9 +153,11 @@ class BridgeService:
             linger=self.settings.linger,
             state_interval=self.settings.state_interval,
         )
-        self._sink.start()
+        for task in self._sink.start():
+            self._watch(task)
         self._intake = Intake(self._sink.wait_for_room)
         self._intake_task = asyncio.create_task(self._intake.run(), name="hmakv-bridge-intake")
+        self._watch(self._intake_task)
         self._office = DeadLetterOffice(
             self._sink, self.metrics, self._source_settings.dead_letter_max_bytes
         )
@@ -195,7 +198,11 @@ class BridgeService:
             self._probe.cancel()
             await asyncio.gather(self._probe, return_exceptions=True)
         if self._producer is not None:
-            await self._producer.stop()
+            # An idempotent producer retries an unreachable Kafka forever; shutdown must not.
+            try:
+                await asyncio.wait_for(self._producer.stop(), self.settings.shutdown_timeout)
+            except TimeoutError:
+                log.error("Kafka producer not closed within the shutdown timeout")
         self._ctx.destroy(linger=0)
         if self._runner is not None:
             await self._runner.cleanup()
@@ -225,7 +232,23 @@ class BridgeService:
         sources = {name: source.state.value for name, (source, _) in self._sources.items()}
         if self._bound is not None:
             sources[self._bound[0].name] = self._bound[0].state.value
-        return Readiness(self._started, self._kafka_reachable, sources)
+        started = self._started and not self._crashed.is_set()
+        return Readiness(started, self._kafka_reachable, sources)
+
+    async def wait_crashed(self) -> None:
+        """Until the intake or a delivery loop has ended early (a bug): the process should stop
+        and be restarted, which resumes every worker from the workers topic."""
+        await self._crashed.wait()
+
+    def _watch(self, task: asyncio.Task[None]) -> None:
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        log.critical("%s ended (%r): nothing is forwarded any more", task.get_name(), error)
+        self._crashed.set()
 
     # --- Kafka -----------------------------------------------------------------------------------
 

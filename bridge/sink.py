@@ -15,7 +15,10 @@ the queue fills and the sources stop receiving (``wait_for_room``) until it has 
 what the engines publish meanwhile waits in the ZMQ queues and, past their high-water marks, in
 the engines' replay rings, fetched as a gap once intake resumes. A final refusal (a record too
 large for the broker, authorization) drops the item and tells its worker, whose tracker starts a
-new epoch, since later records of the worker may already be in Kafka.
+new epoch, since later records of the worker may already be in Kafka. Nothing later of the
+refused epoch is acknowledged, so the worker's resume point never passes the refused batch. A
+refused clear is logged and counted but starts no further epoch, or a partition that refuses
+everything would start one per clear.
 
 The queue bound applies to live intake; what a replay or a clear produces is always accepted,
 which the number of concurrent replays bounds in turn.
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 RefusalHandler = Callable[[int, int], None]  # (epoch, seq) of the refused item
 Target = tuple[str, int]  # (topic, partition)
 _RETRY_LOG_INTERVAL_S = 10.0
+_FULL_REPORT_S = 1.0  # how often a full queue adds its time to queue_full_seconds
 
 
 @dataclass
@@ -98,6 +102,8 @@ class KafkaSink:
         self._slots = asyncio.Semaphore(in_flight)
         self._flights: asyncio.Queue[_Chunk] = asyncio.Queue()
         self._unsettled = 0  # chunks handed to the producer, not yet accounted for
+        self._taken = 0  # items out of the queue, in a chunk not yet accounted for
+        self._refused_epoch: dict[str, int] = {}  # per worker: its newest epoch with a refusal
         self._partitions: dict[tuple[str, bytes], int] = {}
         self._partitioner = DefaultPartitioner()
         self._tasks: list[asyncio.Task[None]] = []
@@ -134,12 +140,15 @@ class KafkaSink:
         return True
 
     async def wait_for_room(self) -> None:
-        """Until the queue has room; the time it is full counts in ``queue_full_seconds``."""
+        """Until the queue has room; the time it is full counts in ``queue_full_seconds``, every
+        second while it lasts, so that an outage shows while it goes on."""
         while not self.has_room():
             if self._full_since is None:
                 self._full_since = time.monotonic()
             self._room.clear()
-            await self._room.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._room.wait(), _FULL_REPORT_S)
+            self._count_full()
 
     async def wait_idle(self) -> None:
         """Until everything queued is acknowledged (or refused) and every due state written."""
@@ -151,25 +160,33 @@ class KafkaSink:
 
     # --- the delivery loops ----------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self) -> list[asyncio.Task[None]]:
+        """Start the delivery loops; they run until ``close`` and end early only through a bug,
+        which the caller must watch for (the returned tasks), since nothing is delivered after."""
         self._tasks = [
             asyncio.create_task(self._submit_forever(), name="hmakv-bridge-sink-submit"),
             asyncio.create_task(self._settle_forever(), name="hmakv-bridge-sink-settle"),
         ]
+        return list(self._tasks)
 
     async def close(self, timeout: float) -> int:
         """Deliver what is queued within ``timeout`` seconds, write every worker's state, stop.
 
-        Returns the number of queued items left undelivered (logged by the caller).
+        Returns the number of items left undelivered, queued or unacknowledged (logged by the
+        caller). After a loop failed (a bug) nothing more is written.
         """
         with contextlib.suppress(TimeoutError):  # what is left is counted below
             await asyncio.wait_for(self.wait_idle(), timeout)
+        failed = any(task.done() and not task.cancelled() for task in self._tasks)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        left = len(self._queue)
-        if not left and self._unsettled == 0:
-            await asyncio.wait_for(self._write_states_now(), timeout)
+        left = len(self._queue) + self._taken
+        if not left and not failed:
+            try:
+                await asyncio.wait_for(self._write_states_now(), timeout)
+            except TimeoutError:
+                log.error("worker states not written within %.1f s of shutdown", timeout)
         return left
 
     async def _submit_forever(self) -> None:
@@ -182,7 +199,9 @@ class KafkaSink:
             await self._slots.acquire()
             await self._let_chunk_grow()
             self._work.clear()
-            chunk = await self._prepare(self._take(), flush_states=False)
+            items = self._take()
+            self._taken += len(items)
+            chunk = await self._prepare(items, flush_states=False)
             if chunk is None:
                 self._slots.release()
             else:
@@ -212,6 +231,7 @@ class KafkaSink:
             chunk = await self._flights.get()
             refused = await self._complete(chunk)
             self._settle(chunk, refused)
+            self._taken -= len(chunk.items)
             self._unsettled -= 1
             self._slots.release()
             self._note_idle()
@@ -236,10 +256,16 @@ class KafkaSink:
         self._queued_records -= count
         if self.has_room():
             self._room.set()
-            if self._full_since is not None:
-                self._metrics.queue_full.inc(time.monotonic() - self._full_since)
-                self._full_since = None
+            self._count_full()
         return items
+
+    def _count_full(self) -> None:
+        """Add the time the queue has been full until now; from now on if it still is."""
+        if self._full_since is None:
+            return
+        now = time.monotonic()
+        self._metrics.queue_full.inc(now - self._full_since)
+        self._full_since = None if self.has_room() else now
 
     async def _prepare(self, items: list[Outgoing], *, flush_states: bool) -> _Chunk | None:
         """The items' records and the worker states due, grouped by partition; None if none."""
@@ -328,11 +354,23 @@ class KafkaSink:
         return builders
 
     async def _partition(self, topic: str, key: bytes) -> int:
-        """A new key's partition, where aiokafka's default partitioner puts it; kept per key."""
-        partitions = sorted(await self._producer.partitions_for(topic))
-        partition = int(self._partitioner(key, partitions, partitions))
-        self._partitions[(topic, key)] = partition
-        return partition
+        """A new key's partition, where aiokafka's default partitioner puts it; kept per key of
+        the events and workers topics (a dead letter's key is whatever arrived: not kept).
+
+        Kafka's metadata may be out of reach (an outage, a leader election): the chunk waits,
+        as a send would, rather than its items being lost.
+        """
+        while True:
+            try:
+                partitions = sorted(await self._producer.partitions_for(topic))
+            except KafkaError as error:
+                self._note_retry((topic, -1), error)
+                await asyncio.sleep(self._retry_backoff)
+                continue
+            partition = int(self._partitioner(key, partitions, partitions))
+            if topic != self._topics.deadletter:
+                self._partitions[(topic, key)] = partition
+            return partition
 
     def _note_retry(self, target: Target, error: BaseException) -> None:
         self._metrics.send_retries.inc()
@@ -351,7 +389,8 @@ class KafkaSink:
 
     def _settle(self, chunk: _Chunk, refused: set[int]) -> None:
         acknowledged = time.monotonic()
-        self.last_delivery = acknowledged
+        if len(refused) < len(chunk.records):  # Kafka took something: it is there
+            self.last_delivery = acknowledged
         self._metrics.send_latency.observe(acknowledged - chunk.started)
         for target, error in chunk.refused.items():
             log.error("Kafka refused records for %s[%d]: %r", *target, error)
@@ -366,6 +405,8 @@ class KafkaSink:
             if refused and any(i in refused for i in item_indexes):
                 self._refuse(item)
                 continue
+            if item.epoch <= self._refused_epoch.get(item.worker, -1):
+                continue  # after a refused batch of its epoch: not a point to resume from
             self._board.acknowledged(
                 item.worker, item.epoch, item.seq, item.ts, engine_batch=item.engine_batch
             )
@@ -377,9 +418,20 @@ class KafkaSink:
         self._count_produced(chunk.records, refused)
 
     def _refuse(self, item: Outgoing) -> None:
-        assert item.worker is not None
-        self._metrics.delivery_failures.labels(item.worker).inc()
-        handler = self.refusal_handlers.get(item.worker)
+        worker = item.worker
+        assert worker is not None
+        self._metrics.delivery_failures.labels(worker).inc()
+        if not item.engine_batch:
+            # Any later record of the epoch in that group makes consumers drop the old view too.
+            log.error(
+                "%s: Kafka refused a clear of epoch %d; consumers of the refused groups keep the "
+                "previous epoch's view until the worker's next record there",
+                worker,
+                item.epoch,
+            )
+            return
+        self._refused_epoch[worker] = max(item.epoch, self._refused_epoch.get(worker, -1))
+        handler = self.refusal_handlers.get(worker)
         if handler is not None:
             handler(item.epoch, item.seq)
 

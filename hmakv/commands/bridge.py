@@ -2,7 +2,8 @@
 
 Wiring only: flags and environment into ``BridgeSettings`` and engine configs, signals into the
 service's life cycle (SIGTERM/SIGINT: deliver what is queued and stop; SIGHUP: reload the
-``--engines`` file). Exit codes: 0 after a clean stop, 2 for a configuration that cannot run.
+``--engines`` file). Exit codes: 0 after a clean stop, 1 after a failure that stopped forwarding
+(a bug; restarted, the bridge resumes where it was), 2 for a configuration that cannot run.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from hmakv.argtypes import host_port, non_negative_float, positive_float, positi
 log = logging.getLogger("hmakv.bridge")
 
 EXIT_OK = 0
+EXIT_CRASHED = 1
 EXIT_BAD_CONFIG = 2
 COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
 
@@ -313,18 +315,22 @@ async def _serve(
     if args.engines is not None:
         loop.add_signal_handler(signal.SIGHUP, lambda: _schedule_reload(service, args, reloads))
     starting = asyncio.create_task(service.start())
-    await asyncio.wait(
-        [starting, asyncio.create_task(stopping.wait())], return_when="FIRST_COMPLETED"
-    )
+    stopped = asyncio.create_task(stopping.wait())
+    await asyncio.wait([starting, stopped], return_when="FIRST_COMPLETED")
+    crashed = asyncio.create_task(service.wait_crashed())
     if starting.done():
         starting.result()
         tune_garbage_collector()
-        await stopping.wait()
+        await asyncio.wait([stopped, crashed], return_when="FIRST_COMPLETED")
     else:
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
     log.info("stopping: delivering what is queued")
     await service.stop()
+    if crashed.done():
+        log.critical("the bridge stopped after a failure; restarted, it resumes where it was")
+        return EXIT_CRASHED
+    crashed.cancel()
     return EXIT_OK
 
 

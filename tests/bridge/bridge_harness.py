@@ -96,8 +96,10 @@ class EngineThread:
         rank: int = 0,
         topic: str = TOPIC,
         replay: bool = True,
+        make_batch: Callable[[int, int], KVEventBatch] = step_batch,
     ) -> None:
         self.name = name
+        self._make_batch = make_batch  # (seq, rank) -> the step's batch
         self.rank = rank
         self.topic = topic
         self.pub_port = pub_port or free_port()
@@ -168,7 +170,7 @@ class EngineThread:
     def _publish(self, publisher: ZmqEventPublisher, steps: int, interval: float) -> None:
         for _ in range(steps):
             seq = self.last_seq + 1
-            batch = step_batch(seq, self.rank)
+            batch = self._make_batch(seq, self.rank)
             self._apply(batch)
             self.published[seq] = batch
             publisher.publish(batch)

@@ -7,6 +7,7 @@ a fixed port and data dir so that the restarted broker is the same cluster with 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,12 @@ from bridge_harness import (
     expected_records,
     free_port,
     metric,
+    metric_reaches,
     running_bridge,
     settings_for,
 )
 
+from bridge.service import BridgeService
 from hmakv.kafka import ApacheKafkaBroker
 
 
@@ -40,6 +43,8 @@ async def test_kafka_stopped_and_restarted_loses_nothing_the_ring_covered(tmp_pa
                 await log.wait_for(lambda log: log.has_seq("engine-a", 20), "the first steps")
                 await asyncio.to_thread(broker.stop)
                 await engine.published_all(200, interval=0.005)  # the queue holds 20 of them
+                # the time the intake is paused shows while the outage lasts
+                await metric_reaches(bridge, "hmakv_bridge_queue_full_seconds_total", 0.5)
                 await asyncio.to_thread(broker.start)
                 await engine.published_all(10)
                 await log.wait_for(lambda log: log.has_seq("engine-a", 230), "every step", 90)
@@ -52,3 +57,36 @@ async def test_kafka_stopped_and_restarted_loses_nothing_the_ring_covered(tmp_pa
     for group, records in log.applied("engine-a").items():
         rest = [r for r in records if r.seq > 0]
         assert rest == by_group(expected_records("engine-a", 0, engine))[group]
+
+
+@pytest.mark.kafka
+@pytest.mark.apache
+async def test_stopping_during_an_outage_counts_what_is_left_and_keeps_to_the_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM while Kafka is away: the bridge must not wait for Kafka (its idempotent producer
+    would retry forever) and must say how many batches it did not deliver."""
+    broker = ApacheKafkaBroker(port=free_port(), data_dir=tmp_path / "kafka")
+    await asyncio.to_thread(broker.start)
+    engine = EngineThread("engine-a")
+    settings = settings_for(broker.bootstrap, queue_size=20, shutdown_timeout=1.0)
+    log = KafkaLog(broker.bootstrap, settings.topics)
+    try:
+        with engines_running(engine):
+            service = BridgeService(settings, [engine.config])
+            await service.start()
+            try:
+                await engine.published_all(5)
+                await log.wait_for(lambda log: log.has_seq("engine-a", 5), "the first steps")
+                await asyncio.to_thread(broker.stop)
+                await engine.published_all(50, interval=0.005)
+                await asyncio.sleep(0.5)  # the intake takes what the queue holds
+            finally:
+                started = time.monotonic()
+                await service.stop()
+                stopping = time.monotonic() - started
+    finally:
+        await asyncio.to_thread(broker.stop)
+    assert stopping < 4 * settings.shutdown_timeout
+    [left] = [r.args[0] for r in caplog.records if "not delivered at shutdown" in r.getMessage()]
+    assert isinstance(left, int) and left >= 20  # at least what the queue held

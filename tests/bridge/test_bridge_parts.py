@@ -216,6 +216,8 @@ def test_the_board_writes_changes_at_once_and_resume_points_per_interval() -> No
     board.acknowledged("w", 1, -1, 60.0, engine_batch=False)  # a new epoch's clear
     [state] = board.due(now=113.0)
     assert (state.epoch, state.last_seq) == (1, -1)
+    board.acknowledged("w", 0, 8, 58.0, engine_batch=True)  # the old epoch, acknowledged late
+    assert [(s.epoch, s.last_seq) for s in board.due(now=200.0, flush=True)] == []
     board.acknowledged("gone", 0, 1, 1.0, engine_batch=True)  # removed workers are ignored
     assert board.due(now=200.0, flush=True) == []
 
