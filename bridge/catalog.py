@@ -67,8 +67,10 @@ class GroupCatalog:
     def _learn_store(self, key: _StoreKey, store: BlockStored) -> bool:
         self._learned_keys.add(key)
         group = key[0]
-        spec = self._spec_from(group, store)
         seen = self._see(group)
+        if not _has_group_sizes(store):
+            return seen  # no group has its sizes: it would make the workers' state unreadable
+        spec = self._spec_from(group, store)
         if self._specs.get(group) == spec:
             return seen
         self._specs[group] = spec
@@ -89,3 +91,10 @@ class GroupCatalog:
         self._seen.add(group)
         self._groups = tuple(sorted(self._seen))
         return True
+
+
+def _has_group_sizes(store: BlockStored) -> bool:
+    """Whether the store's block size and window can be a group's (``GroupSpec`` requires them
+    positive); vLLM's CPU-offloading stores carry block size 0."""
+    window = store.kv_cache_spec_sliding_window
+    return store.block_size > 0 and (window is None or window > 0)

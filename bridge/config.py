@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from bridge.records import worker_id
 from producer.events import GROUP_KINDS, GroupSpec
 from producer.publisher import offset_endpoint_port
@@ -230,9 +232,12 @@ def _groups(table: object, where: str) -> dict[int, GroupSpec]:
             raise ConfigError(f"{where}: groups.{key} must be a group index with a table")
         if spec.get("kind") not in GROUP_KINDS or not isinstance(spec.get("block_size"), int):
             raise ConfigError(f"{where}: groups.{key} needs a kind in {GROUP_KINDS} and block_size")
-        groups[int(key)] = GroupSpec(
-            spec["kind"], spec["block_size"], spec.get("sliding_window"), spec.get("chunk_size")
-        )
+        try:
+            # Converting checks what GroupSpec's annotations require: positive sizes, or a
+            # hit rule would divide by zero or accept blocks the worker cannot have.
+            groups[int(key)] = msgspec.convert(spec, GroupSpec)
+        except msgspec.ValidationError as error:
+            raise ConfigError(f"{where}: groups.{key}: {error}") from error
     return groups
 
 

@@ -61,10 +61,25 @@ def event_key(worker: str, group_idx: int) -> bytes:
     return f"{worker}/{group_idx}".encode()
 
 
+# A group index is a KV-cache group's position in the engine's list: a handful in practice.
+_MAX_GROUP_DIGITS = 9
+
+
 def parse_event_key(key: bytes) -> tuple[str, int]:
-    """Inverse of ``event_key``; raises ``RecordDecodeError`` on a malformed key."""
+    """Inverse of ``event_key``; raises ``RecordDecodeError`` on a malformed key.
+
+    A key comes from the log, which anyone with write access can fill: only ASCII digits, and not
+    too many of them, make a group index (``str.isdigit`` also accepts "²", on which ``int``
+    fails, and ``int`` refuses strings past 4300 digits).
+    """
     worker, sep, group = key.decode("utf-8", "replace").rpartition("/")
-    if not sep or not worker or not group.isdigit():
+    if (
+        not sep
+        or not worker
+        or not group.isascii()
+        or not group.isdigit()
+        or len(group) > _MAX_GROUP_DIGITS
+    ):
         raise RecordDecodeError(f"malformed event key {key!r}: expected b'<worker>/<group>'")
     return worker, int(group)
 

@@ -132,6 +132,13 @@ class WorkerHit(msgspec.Struct, kw_only=True):
         bool, Doc(description="false when its groups are unknown: 0 means no answer")
     ]
     group_blind_hit_tokens: Annotated[int, Doc(description="an index ignoring groups would say")]
+    stale_groups: Annotated[
+        list[int],
+        Doc(
+            description="group mode: groups whose partition this follower no longer reads; "
+            "their blocks may be gone, so the worker is never the best"
+        ),
+    ]
 
 
 class GroupBlindAnswer(msgspec.Struct, kw_only=True):
@@ -142,7 +149,8 @@ class GroupBlindAnswer(msgspec.Struct, kw_only=True):
 
 
 class ScoreResponse(msgspec.Struct, kw_only=True):
-    """Workers best first; ``best`` is the first live one with a usable catalog and a hit."""
+    """Workers best first; ``best`` is the first live one with a usable catalog, no stale
+    groups and a hit."""
 
     best: str | None
     hash_block_size: int
@@ -313,7 +321,8 @@ class ScoreApi:
         index = self.follower.index
         hashes, num_tokens = self._prompt(request, index.hash_block_size)
         scores = index.score(hashes, num_tokens, workers=self._worker_filter(request.workers))
-        hits = [_hit(score) for score in scores]
+        stale = self.follower.stale_groups_by_worker()
+        hits = [_hit(score, stale.get(score.worker)) for score in scores]
         best = next((hit for hit in hits if _eligible(hit) and hit.score > 0), None)
         best_worker = best.worker if best is not None else None
         blind = _group_blind(hits)
@@ -451,7 +460,7 @@ class ScoreApi:
         return _json(openapi_document(self.routes(), self.limits))
 
 
-def _hit(score: WorkerScore) -> WorkerHit:
+def _hit(score: WorkerScore, stale_groups: set[int] | None) -> WorkerHit:
     return WorkerHit(
         worker=score.worker,
         hit_tokens=score.hit_tokens,
@@ -463,16 +472,22 @@ def _hit(score: WorkerScore) -> WorkerHit:
         degraded=score.health != "live",
         catalog_ok=score.catalog_ok,
         group_blind_hit_tokens=score.group_blind_hit_tokens,
+        stale_groups=sorted(stale_groups) if stale_groups else [],
     )
+
+
+def _current(hit: WorkerHit) -> bool:
+    """Whether the index may hold what the worker holds: live, and every group followed."""
+    return not hit.degraded and not hit.stale_groups
 
 
 def _eligible(hit: WorkerHit) -> bool:
     """A worker a router may be sent to on the strength of this answer."""
-    return not hit.degraded and hit.catalog_ok
+    return _current(hit) and hit.catalog_ok
 
 
 def _group_blind(hits: Sequence[WorkerHit]) -> GroupBlindAnswer:
-    candidates = [hit for hit in hits if not hit.degraded and hit.group_blind_hit_tokens > 0]
+    candidates = [hit for hit in hits if _current(hit) and hit.group_blind_hit_tokens > 0]
     best = min(candidates, key=lambda hit: (-hit.group_blind_hit_tokens, hit.worker), default=None)
     if best is None:
         return GroupBlindAnswer(best=None, hit_tokens=0)

@@ -15,9 +15,10 @@ Positions are the follower's own: the next offset of each partition whose record
 contains. They are saved with each snapshot and are where a restart resumes (the group's
 committed offsets only report progress to the group's tools: state lives in this process, so a
 position is worth nothing without the snapshot that holds it). In group mode they are committed
-after the records are applied, and on revocation; a revoked partition's state is kept, marked
-stale (``stale_groups``; the exporter leaves it out) and resumed from its position if it comes
-back, since forgetting it would make a later re-read of the same seqs look like replays.
+after the records are applied, and on revocation (a commit that fails is retried at the next
+interval); a revoked partition's state is kept, marked stale (``stale_groups``; the exporter
+leaves it out, the score API never names such a worker best) and resumed from its position if it
+comes back, since forgetting it would make a later re-read of the same seqs look like replays.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from aiokafka import ConsumerRebalanceListener
+from aiokafka.errors import KafkaError
+from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
 from bridge.kafka_client import KafkaSecurity, create_consumer
@@ -41,6 +44,7 @@ from bridge.records import (
     WorkerState,
     decode_event_record,
     decode_worker_state,
+    event_key,
     parse_event_key,
 )
 from consumers.index import DEFAULT_HASH_BLOCK_SIZE, ApplyOutcome, KVIndex
@@ -64,6 +68,7 @@ MODES: tuple[Mode, ...] = ("replica", "group")
 _FETCH_TIMEOUT_MS = 500
 _TOPIC_WAIT_S = 2.0
 _BAD_RECORD_LOG_INTERVAL_S = 60.0
+_COMMIT_FAILURE_LOG_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class FollowerStats:
     worker_states_applied: int = 0
     bad_records: dict[tuple[str, str], int] = field(default_factory=dict)  # (topic, reason)
     records_lost: int = 0
+    commits_failed: int = 0
     event_age: Buckets = field(default_factory=lambda: Buckets(EVENT_AGE_BUCKETS))
     start_offsets: dict[TopicPartition, int] = field(default_factory=dict)
     restored_offsets: dict[TopicPartition, int] = field(default_factory=dict)
@@ -125,7 +131,13 @@ class _RateLimitedLog:
         self._next_at: dict[tuple[str, str], float] = {}
         self._suppressed: dict[tuple[str, str], int] = {}
 
-    def warn(self, kind: tuple[str, str], message: str, *args: object) -> None:
+    def warn(
+        self,
+        kind: tuple[str, str],
+        message: str,
+        *args: object,
+        error: BaseException | None = None,
+    ) -> None:
         now = time.monotonic()
         if now < self._next_at.get(kind, 0.0):
             self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
@@ -134,7 +146,7 @@ class _RateLimitedLog:
         suppressed = self._suppressed.pop(kind, 0)
         if suppressed:
             message += f" ({suppressed} more like it since the last report)"
-        log.warning(message, *args)
+        log.warning(message, *args, exc_info=error)
 
 
 class Follower:
@@ -149,6 +161,9 @@ class Follower:
         self._ready_targets: dict[TopicPartition, int] = {}
         self._worker_states: dict[str, WorkerState] = {}
         self._key_partitions: dict[tuple[str, int], TopicPartition] = {}
+        # Group mode: the assignment the stale groups were worked out for, and those groups.
+        self._stale: tuple[set[TopicPartition], dict[str, set[int]]] | None = None
+        self._behind_epochs_logged: set[tuple[str, int]] = set()
         self._events: Any = None
         self._workers: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -161,6 +176,7 @@ class Follower:
         self._last_commit = 0.0
         self._snapshot_lock = asyncio.Lock()
         self._bad_log = _RateLimitedLog(_BAD_RECORD_LOG_INTERVAL_S)
+        self._commit_log = _RateLimitedLog(_COMMIT_FAILURE_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------------------------ life cycle
 
@@ -241,13 +257,15 @@ class Follower:
             if saved < beginnings[tp] and tp in self._positions:
                 log.error(
                     "%s[%d]: records %d..%d were deleted by retention before this follower "
-                    "applied them; the index misses them until the workers' next clear or epoch",
+                    "applied them",
                     tp.topic,
                     tp.partition,
                     saved,
                     beginnings[tp] - 1,
                 )
                 self.stats.records_lost += beginnings[tp] - saved
+                if tp.topic == self.config.topics.events:
+                    await self._drop_lost_groups(consumer, tp)
             position = max(saved, beginnings[tp])
             consumer.seek(tp, position)
             self._positions[tp] = position
@@ -256,6 +274,35 @@ class Follower:
         for tp in tps:
             if ends[tp] > self._positions[tp]:
                 self._ready_targets[tp] = ends[tp]
+
+    async def _drop_lost_groups(self, consumer: Any, lost: TopicPartition) -> None:
+        """Forget every (worker, group) whose records go to a partition that lost some.
+
+        The lost records may have removed blocks the index still holds: until new records
+        arrive, those groups under-report rather than report hits their workers may not have.
+        The partition of a key is where the bridge's producer puts it: aiokafka's default
+        partitioner over all the topic's partitions.
+        """
+        partitions = consumer.partitions_for_topic(lost.topic) or await topic_partitions(
+            self.config.bootstrap, lost.topic, self.config.security
+        )
+        every = sorted(partitions)
+        partitioner = DefaultPartitioner()
+        dropped: dict[str, list[int]] = {}
+        for info in self.index.workers():
+            groups = {*info.groups, *info.last_seq, *info.resident}
+            for group in sorted(groups):
+                if partitioner(event_key(info.name, group), every, every) == lost.partition:
+                    self.index.drop_group(info.name, group)
+                    dropped.setdefault(info.name, []).append(group)
+        cleared = ", ".join(f"{worker} {groups}" for worker, groups in sorted(dropped.items()))
+        log.error(
+            "%s[%d]: the index forgot what these workers hold in these groups, whose records "
+            "the deleted ones were: %s",
+            lost.topic,
+            lost.partition,
+            cleared or "none",
+        )
 
     # ------------------------------------------------------------------------------ applying
 
@@ -280,11 +327,26 @@ class Follower:
         except _BadRecord as bad:
             self._count_bad(bad.reason, str(bad), tp, message)
             return
-        outcome = self.index.apply(record)
+        try:
+            outcome = self.index.apply(record)
+        except Exception as error:
+            self._apply_failed(tp, message, error)
+            # It may be half applied: forget the group rather than report blocks it may not hold.
+            self.index.drop_group(record.worker, record.group_idx)
+            return
         if outcome is ApplyOutcome.APPLIED:
             self.stats.events_applied += 1
             self.stats.event_age.observe(max(0.0, time.time() - record.ts))
-            self._key_partitions[(record.worker, record.group_idx)] = tp
+            key = (record.worker, record.group_idx)
+            if self._key_partitions.get(key) != tp:
+                self._key_partitions[key] = tp
+                self._stale = None
+
+    def _apply_failed(self, tp: TopicPartition, message: Any, error: Exception) -> None:
+        """A record the follower could not apply (a bug, or input nothing foresaw) is counted and
+        skipped: stopping would only stop again at the same offset after every restart."""
+        detail = f"{type(error).__name__}: {error}"
+        self._count_bad("apply_error", detail, tp, message, error=error)
 
     def _apply_worker_state(self, tp: TopicPartition, message: Any) -> None:
         if message.value is None:
@@ -295,13 +357,20 @@ class Follower:
         except _BadRecord as bad:
             self._count_bad(bad.reason, str(bad), tp, message)
             return
-        self._take_worker_state(state)
+        replayed = message.offset < self._ready_targets.get(tp, 0)
+        try:
+            self._take_worker_state(state, replayed=replayed)
+        except Exception as error:
+            self._apply_failed(tp, message, error)
+            return
         self.stats.worker_states_applied += 1
 
-    def _take_worker_state(self, state: WorkerState) -> None:
-        """Catalog and health take effect at once; a health change is logged with its cause."""
+    def _take_worker_state(self, state: WorkerState, *, replayed: bool) -> None:
+        """Epoch, catalog and health take effect at once; a health change is logged with its
+        cause. ``replayed``: the state was in the log before this follower caught up."""
         previous = self._worker_states.get(state.worker)
         self._worker_states[state.worker] = state
+        self._follow_epoch(state, replayed)
         if state.groups:
             self.index.set_catalog(state.worker, state.groups)
         self.index.set_health(state.worker, state.health)
@@ -316,6 +385,29 @@ class Follower:
                 state.last_seq,
             )
 
+    def _follow_epoch(self, state: WorkerState, replayed: bool) -> None:
+        """A newer epoch drops the worker's previous life now, before the events partitions
+        holding the new epoch's records are read (they may lag, or be another member's).
+
+        An older one leaves the worker's epoch and blocks alone and is logged once per (worker,
+        epoch): the bridge may have lost its resume point, and the index ignores its records as an
+        older life. Not while catching up, where older states are history a newer one follows.
+        """
+        epoch = self.index.start_epoch(state.worker, state.epoch)
+        if epoch <= state.epoch or replayed:
+            return
+        behind = (state.worker, state.epoch)
+        if behind not in self._behind_epochs_logged:
+            self._behind_epochs_logged.add(behind)
+            log.warning(
+                "worker %s: the bridge says epoch %d but the index has applied epoch %d; the "
+                "bridge may have lost its resume point, and records of epoch %d are ignored",
+                state.worker,
+                state.epoch,
+                epoch,
+                state.epoch,
+            )
+
     def _forget(self, worker: str) -> None:
         """A tombstone on the workers topic: the worker left the fleet."""
         if not worker:
@@ -325,19 +417,29 @@ class Follower:
         self.index.forget_worker(worker)
         for key in [key for key in self._key_partitions if key[0] == worker]:
             del self._key_partitions[key]
+        self._stale = None
 
-    def _count_bad(self, reason: str, detail: str, tp: TopicPartition, message: Any) -> None:
+    def _count_bad(
+        self,
+        reason: str,
+        detail: str,
+        tp: TopicPartition,
+        message: Any,
+        *,
+        error: BaseException | None = None,
+    ) -> None:
         bad = self.stats.bad_records
         kind = (tp.topic, reason)
         bad[kind] = bad.get(kind, 0) + 1
         self._bad_log.warn(
             kind,
-            "skipped a %s record at %s[%d]@%d: %s",
+            "skipped a record (%s) at %s[%d]@%d: %s",
             reason,
             tp.topic,
             tp.partition,
             message.offset,
             detail,
+            error=error,
         )
 
     # ------------------------------------------------------------------------------ progress
@@ -386,14 +488,23 @@ class Follower:
 
     def stale_groups(self, worker: str) -> set[int]:
         """The worker's groups whose partition this follower no longer reads (group mode)."""
+        return set(self.stale_groups_by_worker().get(worker, ()))
+
+    def stale_groups_by_worker(self) -> Mapping[str, set[int]]:
+        """``stale_groups`` of every worker that has some, for a score call or a scrape.
+
+        Worked out once per assignment and set of known keys, not once per worker and request.
+        """
         if self.config.mode != "group":
-            return set()
+            return {}
         assigned = self._assigned_events()
-        return {
-            group
-            for (name, group), tp in self._key_partitions.items()
-            if name == worker and tp not in assigned
-        }
+        if self._stale is None or self._stale[0] != assigned:
+            stale: dict[str, set[int]] = {}
+            for (worker, group), tp in self._key_partitions.items():
+                if tp not in assigned:
+                    stale.setdefault(worker, set()).add(group)
+            self._stale = (assigned, stale)
+        return self._stale[1]
 
     # ------------------------------------------------------------------------------ commits
 
@@ -404,10 +515,26 @@ class Follower:
             await self._commit(self._events.assignment())
 
     async def _commit(self, tps: Iterable[TopicPartition]) -> None:
-        """Commit the applied positions: every record before them is in the index."""
+        """Commit the applied positions: every record before them is in the index.
+
+        A commit only reports progress (positions live in the snapshot), so one that fails, as
+        commits do while the group rebalances, is counted and logged and tried again at the next
+        interval, never fatal.
+        """
         offsets = {tp: self._positions[tp] for tp in tps if tp in self._positions}
-        if offsets:
+        if not offsets:
+            return
+        try:
             await self._events.commit(offsets)
+        except KafkaError as error:
+            self.stats.commits_failed += 1
+            self._commit_log.warn(
+                ("commit", type(error).__name__),
+                "committing %s failed (%s: %s); the next commit will carry them",
+                _names(offsets, offsets),
+                type(error).__name__,
+                error,
+            )
 
     async def _on_revoked(self, revoked: Iterable[TopicPartition]) -> None:
         revoked = list(revoked)

@@ -91,7 +91,9 @@ class IndexCounters(msgspec.Struct, gc=False):
     epochs; ``anomalies`` removals of a hash the worker did not hold; ``partial_evictions``
     sliding-window removals whose full-attention copy stays resident; ``duplicate_copies`` stores
     of a hash the worker already held; ``duplicates_ignored`` and ``stale_epoch_ignored`` records
-    applied already or from an older epoch.
+    applied already or from an older epoch; ``sizeless_stores`` stores whose block size or window
+    no group can have (vLLM's CPU-offloading stores carry block size 0), whose blocks are kept but
+    teach no group spec.
     """
 
     stored: int = 0
@@ -103,6 +105,7 @@ class IndexCounters(msgspec.Struct, gc=False):
     duplicate_copies: int = 0
     duplicates_ignored: int = 0
     stale_epoch_ignored: int = 0
+    sizeless_stores: int = 0
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, gc=False):
@@ -278,9 +281,36 @@ class KVIndex:
 
         Needed for what stores do not carry (a chunked-local group's chunk size) and for groups
         that have not stored anything yet; later stores update kind, window and block size.
+        A size that is not positive raises ``ValueError`` and changes nothing: scoring divides by
+        block sizes, and a negative one would make hits up.
         """
+        for group, spec in groups.items():
+            _check_sizes(group, spec)
         self._worker(worker).groups = dict(groups)
         self._classes = None
+
+    def start_epoch(self, worker: str, epoch: int) -> int:
+        """Move a worker to ``epoch`` if it is newer, dropping its state as a record of a newer
+        epoch does; the worker's epoch afterwards (higher than asked when the index is past it).
+
+        The bridge names a worker's new epoch on ``hmakv.workers`` only once Kafka holds a record
+        of it: the engine restarted, whether or not this index has read that record yet.
+        """
+        state = self._worker(worker)
+        if epoch > state.epoch:
+            self._start_epoch(state, epoch)
+        return state.epoch
+
+    def drop_group(self, worker: str, group: int) -> None:
+        """Forget what a worker holds in one group, on every medium, keeping its seqs.
+
+        For when the log can no longer say what the group holds (its records were lost): the
+        index then under-reports the group until new stores arrive, and never reports a block
+        whose removal it missed.
+        """
+        state = self._workers.get(worker)
+        if state is not None:
+            self._drop(state, (group,))
 
     def set_health(self, worker: str, health: Health) -> None:
         """Record what the caller knows and the log does not: a worker replaying or degraded.
@@ -369,18 +399,22 @@ class KVIndex:
 
     def _learn_group(self, worker: _Worker, group: int, event: BlockStored) -> None:
         """Learn a group's spec from a store; an explicit chunk size is kept, it never travels."""
+        window = event.kv_cache_spec_sliding_window
+        if event.block_size <= 0 or (window is not None and window <= 0):
+            self._counters.sizeless_stores += 1
+            return
         known = worker.groups.get(group)
         kind = event.kv_cache_spec_kind
         if known is not None and (
             kind is None
             or (known.kind, known.block_size, known.sliding_window)
-            == (kind, event.block_size, event.kv_cache_spec_sliding_window)
+            == (kind, event.block_size, window)
         ):
             return
         worker.groups[group] = GroupSpec(
             kind=kind or "unknown",
             block_size=event.block_size,
-            sliding_window=event.kv_cache_spec_sliding_window,
+            sliding_window=window,
             chunk_size=known.chunk_size if known is not None else None,
         )
         self._classes = None
@@ -773,6 +807,14 @@ class KVIndex:
 
 
 _NO_MEDIUM = _Medium()
+
+
+def _check_sizes(group: int, spec: GroupSpec) -> None:
+    """Raise ``ValueError`` unless the spec's sizes are what ``GroupSpec`` declares (positive)."""
+    try:
+        msgspec.convert(msgspec.structs.asdict(spec), GroupSpec)
+    except msgspec.ValidationError as error:
+        raise ValueError(f"group {group}: {spec}: {error}") from error
 
 
 def _fitting_width(width: int, slots: int) -> int:

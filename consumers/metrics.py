@@ -104,9 +104,10 @@ class IndexCollector(Collector):
             labels=["worker", "group", "kind", "medium"],
         )
         by_health = dict.fromkeys(HEALTH_STATES, 0)
+        stale_groups = follower.stale_groups_by_worker()
         for info in follower.index.workers():
             by_health[info.health] += 1
-            stale = follower.stale_groups(info.name)
+            stale = stale_groups.get(info.name, ())
             for group, media in info.resident.items():
                 if group in stale:
                     continue  # another group member exports it; do not count it twice
@@ -137,6 +138,12 @@ class IndexCollector(Collector):
                 "Removals of a block the worker did not hold",
             ),
             ("duplicate_copies", counters.duplicate_copies, "Stores of a block already held"),
+            (
+                "sizeless_stores",
+                counters.sizeless_stores,
+                "Stores whose block size or window no group can have (vLLM's CPU-offloading "
+                "stores carry block size 0): blocks kept, no group spec learned",
+            ),
         ):
             yield CounterMetricFamily(f"{PREFIX}_{name}", documentation, value=value)
         ignored = CounterMetricFamily(
@@ -178,6 +185,12 @@ class IndexCollector(Collector):
             f"{PREFIX}_records_lost",
             "Records deleted by retention before this follower applied them",
             value=stats.records_lost,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_commits_failed",
+            "Group mode: offset commits that failed (as during a rebalance), retried at the next "
+            "interval",
+            value=stats.commits_failed,
         )
         lag = GaugeMetricFamily(
             f"{PREFIX}_consumer_lag_records",

@@ -8,6 +8,7 @@ bytes vLLM would for the same batch. ``decode`` reads every generation vLLM has 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
 import msgspec
 
@@ -15,6 +16,12 @@ import msgspec
 ExternalBlockHash = int | bytes
 
 MEDIUM_GPU = "GPU"
+
+# A store's block size: vLLM's CPU-offloading stores carry 0 (see the "cpu-offload-placeholder"
+# vectors), so 0 is on the wire; no engine sends a negative one.
+StoreBlockSize = Annotated[int, msgspec.Meta(ge=0)]
+# A group's block size, window or chunk, in tokens: every hit rule divides by it or counts in it.
+GroupSize = Annotated[int, msgspec.Meta(gt=0)]
 
 
 class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -25,7 +32,7 @@ class BlockStored(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
-    block_size: int
+    block_size: StoreBlockSize
     lora_id: int | None
     medium: str | None
     lora_name: str | None
@@ -87,12 +94,15 @@ class GroupSpec(msgspec.Struct, frozen=True, gc=False):
     ``kind`` and ``sliding_window`` travel on stores (``kv_cache_spec_kind``,
     ``kv_cache_spec_sliding_window``) and ``block_size`` is the store's ``block_size``;
     ``chunk_size`` (chunked local attention) does not travel on the wire and comes from config.
+    Sizes are positive: decoding or ``msgspec.convert`` refuses any other (constructing one
+    directly does not check), so a spec read from the log or configuration can never make a hit
+    rule divide by zero or accept blocks a worker cannot have.
     """
 
     kind: str
-    block_size: int
-    sliding_window: int | None = None
-    chunk_size: int | None = None
+    block_size: GroupSize
+    sliding_window: GroupSize | None = None
+    chunk_size: GroupSize | None = None
 
 
 # --- Decoding --------------------------------------------------------------------------------
@@ -139,7 +149,7 @@ class _LenientBlockStored(msgspec.Struct, gc=False):
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
-    block_size: int
+    block_size: StoreBlockSize
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None

@@ -12,12 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bridge.config import ConfigError, load_engines_file
 from producer.events import (
     KNOWN_EVENT_TYPES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     DecodedBatch,
+    GroupSpec,
     KVEvent,
     KVEventBatch,
     WireDecodeError,
@@ -284,6 +286,16 @@ def test_evicted_groups_text_in_a_value_decodes_unchanged() -> None:
             "event 0 (BlockStored): Expected `array` of at least length 5, got 4",
             id="array-store-too-short",
         ),
+        pytest.param(
+            encode(KVEventBatch(1.0, [_stored(block_size=-16)], 0)),
+            "event 0 (BlockStored): Expected `int` >= 0 - at `$.block_size`",
+            id="map-store-negative-block-size",
+        ),
+        pytest.param(
+            _pack([1.0, [["BlockStored", [1], None, TOKENS, -16]]]),
+            "event 0 (BlockStored): Expected `int` >= 0 - at `$[4]`",
+            id="array-store-negative-block-size",
+        ),
     ],
 )
 def test_malformed_payload_raises_wire_decode_error_naming_the_problem(
@@ -323,6 +335,54 @@ def test_payload_over_the_size_limit_is_refused_before_decoding() -> None:
     assert decode(payload, max_bytes=len(payload)).batch.events == [_stored()]
     with pytest.raises(WireDecodeError, match=f"{len(payload)} bytes exceeds the limit of 10"):
         decode(payload, max_bytes=10)
+
+
+def test_a_cpu_offloading_store_of_block_size_0_is_vllms_and_decodes() -> None:
+    """vLLM's CPU-offloading stores carry block size 0 (the cpu-offload-placeholder vectors): a
+    batch holding one is no malformed batch, or the bridge would dead-letter its other events."""
+    placeholders = [v for v in WIRE_VECTORS if v["case"] == "cpu-offload-placeholder"]
+    assert placeholders
+    for vector in placeholders:
+        [store, _] = decode(bytes.fromhex(vector["payload_hex"])).batch.events
+        assert isinstance(store, BlockStored) and store.block_size == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "where"),
+    [
+        ({"kind": "full_attention", "block_size": 0}, "$.block_size"),
+        ({"kind": "full_attention", "block_size": -16}, "$.block_size"),
+        ({"kind": "sliding_window", "block_size": 16, "sliding_window": 0}, "$.sliding_window"),
+        ({"kind": "chunked_local_attention", "block_size": 16, "chunk_size": -1}, "$.chunk_size"),
+    ],
+    ids=["block-0", "block-negative", "window-0", "chunk-negative"],
+)
+def test_a_group_spec_with_a_size_that_is_not_positive_does_not_decode(
+    spec: dict[str, Any], where: str
+) -> None:
+    """Every hit rule divides by a group's block size or counts blocks in its window or chunk."""
+    for read in (
+        lambda: msgspec.msgpack.decode(_pack(spec), type=GroupSpec),
+        lambda: msgspec.convert(spec, GroupSpec),
+    ):
+        with pytest.raises(msgspec.ValidationError, match=re.escape(f">= 1 - at `{where}`")):
+            read()
+    good = {**spec, **{key: 16 for key in spec if key != "kind"}}
+    assert msgspec.convert(good, GroupSpec) == GroupSpec(**good)
+
+
+def test_configured_group_specs_are_checked_like_decoded_ones(tmp_path: Path) -> None:
+    """The bridge's engines file makes GroupSpecs too; a bad size is a ConfigError naming it."""
+    path = tmp_path / "engines.toml"
+    path.write_text(
+        '[[engines]]\nname = "a"\n'
+        'groups = { 2 = { kind = "chunked_local_attention", block_size = 16, chunk_size = 0 } }\n'
+    )
+    with pytest.raises(ConfigError, match=re.escape("groups.2: Expected `int` >= 1 - at `$.chunk")):
+        load_engines_file(path)
+    path.write_text(path.read_text().replace("chunk_size = 0", "chunk_size = 64"))
+    [engine] = load_engines_file(path)
+    assert engine.groups == {2: GroupSpec("chunked_local_attention", 16, chunk_size=64)}
 
 
 def test_known_event_types_are_the_current_structs() -> None:

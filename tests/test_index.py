@@ -185,6 +185,89 @@ def test_older_epoch_is_ignored_and_newer_epoch_clears_the_worker() -> None:
     assert index.workers()[0].epoch == 1
 
 
+def test_a_newer_epoch_named_by_the_workers_topic_drops_the_old_life_before_its_records() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(5, 0, stored([1, 2, 3], 0), epoch=1))
+    assert index.start_epoch("w0", 1) == 1  # the same epoch: nothing changes
+    assert index.start_epoch("w0", 0) == 1  # an older one: nothing changes, the index is past it
+    assert only(index.score([1, 2, 3], 4 * B)).hit_tokens == 3 * B
+    assert index.start_epoch("w0", 2) == 2
+    assert only(index.score([1, 2, 3], 4 * B)).hit_tokens == 0
+    assert index.workers()[0].resident == {}
+    assert index.counters.restarts == 2  # epoch 0 to 1 by a record, 1 to 2 by the workers topic
+    # The new life's records apply from its first seq; the old life's are stale.
+    assert index.apply(record(0, 0, stored([1, 2], 0), epoch=2)) is ApplyOutcome.APPLIED
+    assert index.apply(record(6, 0, stored([1, 2, 3], 0), epoch=1)) is ApplyOutcome.STALE_EPOCH
+    assert only(index.score([1, 2, 3], 4 * B)).hit_tokens == 2 * B
+    # A worker first named by the workers topic starts in that epoch.
+    assert index.start_epoch("new", 3) == 3
+
+
+def test_dropping_a_group_forgets_its_blocks_on_every_medium_and_keeps_its_seqs() -> None:
+    index = gpt_oss_like()
+    index.apply(record(1, 0, stored(PROMPT[:2], 0, medium="CPU")))
+    index.apply(record(0, 0, stored(PROMPT[:4], 0), worker="w1"))
+    index.drop_group("w0", 0)
+    index.drop_group("gone", 0)  # an unknown worker: nothing to forget
+    w0, w1 = index.workers()
+    assert w0.resident == {1: {"GPU": 8}}
+    assert w1.resident == {0: {"GPU": 4}}
+    assert only(index.score(PROMPT, len(PROMPT) * B)).tier_hit_tokens["STORAGE"] == 0
+    assert only(index.score(PROMPT[:4], 5 * B), "w1").hit_tokens == 4 * B
+    assert w0.last_seq == {0: 1, 1: 0}
+    assert index.apply(record(1, 0, stored(PROMPT, 0))) is ApplyOutcome.DUPLICATE
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GroupSpec("full_attention", 0),
+        GroupSpec("full_attention", -16),
+        GroupSpec("sliding_window", B, sliding_window=0),
+        GroupSpec("chunked_local_attention", B, chunk_size=-64),
+    ],
+    ids=["block-0", "block-negative", "window-0", "chunk-negative"],
+)
+def test_a_catalog_with_a_size_that_is_not_positive_is_refused_and_changes_nothing(
+    spec: GroupSpec,
+) -> None:
+    index = gpt_oss_like()
+    before = index.score(PROMPT, len(PROMPT) * B)
+    with pytest.raises(ValueError, match=r"group 1: .*Expected `int` >= 1"):
+        index.set_catalog("w0", {0: FULL, 1: spec})
+    assert index.workers()[0].groups == {0: FULL, 1: SWA_128}
+    assert index.score(PROMPT, len(PROMPT) * B) == before
+
+
+def test_stores_without_a_usable_block_size_keep_their_blocks_but_teach_no_spec() -> None:
+    """vLLM's CPU-offloading stores carry block size 0; a negative size or window is garbage.
+    Learning either made every score divide by zero, or hit blocks the worker cannot have."""
+    index, model = KVIndex(hash_block_size=B), ReferenceIndex(B)
+    sizeless = [
+        msgspec.structs.replace(stored([1, 2], 0, medium="CPU"), block_size=0),
+        msgspec.structs.replace(stored([1, 2], 0), block_size=-B),
+        msgspec.structs.replace(stored([1, 2], 0, SWA_128), kv_cache_spec_sliding_window=-1),
+    ]
+    for each in (
+        record(0, 0, *sizeless, worker="unsized"),
+        record(0, 0, stored([1, 2], 0), worker="sized"),
+        record(1, 0, sizeless[0], worker="sized"),
+    ):
+        assert index.apply(each) == model.apply(each)
+    scores = {s.worker: s for s in index.score([1, 2], 3 * B)}
+    assert {name: (s.hit_tokens, s.tier_hit_tokens) for name, s in scores.items()} == {
+        name: (model.hit_tokens(name, [1, 2], 3 * B), model.tier_hit_tokens(name, [1, 2], 3 * B))
+        for name in model.workers
+    }
+    assert (scores["sized"].hit_tokens, scores["sized"].tier_hit_tokens["CPU"]) == (2 * B, 2 * B)
+    assert (scores["unsized"].hit_tokens, scores["unsized"].catalog_ok) == (0, False)
+    sized, unsized = index.workers()
+    assert (sized.name, sized.groups) == ("sized", {0: FULL})
+    assert sized.resident == {0: {"GPU": 2, "CPU": 2}}
+    assert (unsized.name, unsized.groups) == ("unsized", {})
+    assert index.counters.sizeless_stores == model.counters.sizeless_stores == 4
+
+
 def test_blocks_from_before_a_clear_are_never_hits() -> None:
     index = KVIndex(hash_block_size=B)
     index.apply(record(0, 0, stored([1, 2], 0), stored([1, 2], 0, medium="CPU")))

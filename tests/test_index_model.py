@@ -108,6 +108,7 @@ class ModelCounters:
     duplicate_copies: int = 0
     duplicates_ignored: int = 0
     stale_epoch_ignored: int = 0
+    sizeless_stores: int = 0
 
 
 class ReferenceIndex:
@@ -173,8 +174,11 @@ class ReferenceIndex:
                 self.counters.cleared += 1
         return ApplyOutcome.APPLIED
 
-    @staticmethod
-    def _learn(worker: ModelWorker, group: int, event: BlockStored) -> None:
+    def _learn(self, worker: ModelWorker, group: int, event: BlockStored) -> None:
+        window = event.kv_cache_spec_sliding_window
+        if event.block_size <= 0 or (window is not None and window <= 0):
+            self.counters.sizeless_stores += 1  # no group has such sizes: nothing to learn
+            return
         known = worker.groups.get(group)
         if event.kv_cache_spec_kind is None and known is not None:
             return

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import msgspec
 import pytest
 
 from bridge import records
+from bridge.catalog import GroupCatalog
 from bridge.records import DeadLetter, EventRecord, RecordDecodeError, Topics, WorkerState
+from producer import events
 from producer.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
+
+WIRE_VECTORS = Path(__file__).parent / "data" / "vllm-wire.jsonl"
 
 
 def test_topics_derive_from_prefix() -> None:
@@ -36,6 +43,24 @@ def test_event_key_round_trip_and_errors() -> None:
     for bad in (b"nogroup", b"/1", b"w/x", b"w/"):
         with pytest.raises(RecordDecodeError, match="malformed event key"):
             records.parse_event_key(bad)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "w/\N{SUPERSCRIPT TWO}".encode(),  # str.isdigit says yes, int() says no
+        "w/\N{ARABIC-INDIC DIGIT THREE}".encode(),  # int() would take it: not our key either
+        b"w/" + b"9" * 5000,  # past int()'s 4300-digit limit
+        b"w/" + b"1" * 10,
+    ],
+    ids=["superscript", "arabic-indic", "5000-digits", "10-digits"],
+)
+def test_a_key_whose_group_is_not_a_short_ascii_number_is_a_record_decode_error(
+    key: bytes,
+) -> None:
+    with pytest.raises(RecordDecodeError, match="malformed event key"):
+        records.parse_event_key(key)
+    assert records.parse_event_key(b"w/" + b"9" * 9) == ("w", 999_999_999)
 
 
 def test_event_record_round_trip_with_every_event_type() -> None:
@@ -117,6 +142,19 @@ def test_worker_state_and_dead_letter_round_trip() -> None:
     )
     assert records.decode_dead_letter(records.encode(letter)) == letter
     assert dict(letter.headers())["reason"] == b"bad_seq"
+
+
+def test_the_worker_states_the_bridge_learns_from_vllm_batches_decode() -> None:
+    """The bridge writes the group specs it learns from stores in each WorkerState; one learned
+    from vLLM's CPU-offloading stores (block size 0) made the state unreadable to the followers
+    and to the bridge's own resume."""
+    catalog = GroupCatalog()
+    for line in WIRE_VECTORS.read_text().splitlines():
+        catalog.learn(events.decode(bytes.fromhex(json.loads(line)["payload_hex"])).batch.events)
+        assert all(spec.block_size > 0 for spec in catalog.specs.values()), catalog.specs
+        state = WorkerState("w", 0, 0, "live", catalog.specs, 0.0)
+        assert records.decode_worker_state(records.encode(state)) == state
+    assert catalog.groups == (0, 1)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
 from bridge.kafka_client import TopicSpec, create_consumer, ensure_topics, start_producer
@@ -193,3 +194,9 @@ def hit_tokens(follower: Follower, worker: str, hashes: Sequence[ExternalBlockHa
         if score.worker == worker:
             return score.hit_tokens
     raise AssertionError(f"{worker} is not in the index")
+
+
+def partition_of(worker: str, group: int, partitions: int) -> int:
+    """The events partition of a worker's group: where the bridge's producer puts its key."""
+    every = list(range(partitions))
+    return int(DefaultPartitioner()(event_key(worker, group), every, every))

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from aiokafka.errors import CommitFailedError
 from aiokafka.structs import TopicPartition
 from follower_kit import (
     SWA,
@@ -15,6 +21,7 @@ from follower_kit import (
     follower_config,
     fresh_topics,
     hit_tokens,
+    partition_of,
     record,
     removed,
     resident,
@@ -23,10 +30,16 @@ from follower_kit import (
     wait_until,
     worker_state,
 )
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.records import EventRecord, encode, event_key
+from consumers.api import ScoreApi, ScoreStats, build_app
 from consumers.follower import Follower
 from consumers.index import ApplyOutcome, KVIndex
+from consumers.metrics import index_registry
+from consumers.snapshots import FileSnapshotStore
+from producer.events import GroupSpec
 
 pytestmark = pytest.mark.kafka
 
@@ -142,16 +155,45 @@ async def test_replica_mode_reads_every_partition_in_every_follower(kafka_bootst
 
 
 class _FailingIndex(KVIndex):
-    """An index whose apply fails at one seq, as a bug would: the follower must stop there."""
+    """An index whose apply raises ``failure`` at one seq."""
 
-    def __init__(self, fail_at_seq: int) -> None:
+    def __init__(self, fail_at_seq: int, failure: type[BaseException]) -> None:
         super().__init__(hash_block_size=16)
         self.fail_at_seq = fail_at_seq
+        self.failure = failure
 
     def apply(self, record: EventRecord) -> ApplyOutcome:
         if record.seq == self.fail_at_seq:
-            raise RuntimeError(f"apply failed at seq {record.seq}")
+            raise self.failure(f"apply failed at seq {record.seq}")
         return super().apply(record)
+
+
+async def test_a_record_the_index_fails_on_is_counted_and_the_follower_goes_on(
+    kafka_bootstrap: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No real input is known to make ``KVIndex.apply`` raise once sizes are checked at decoding,
+    so the index is made to fail at one seq, as a bug would. Stopping would stop again at the
+    same offset after every restart: the record is counted, logged with its traceback, its
+    group (maybe half applied) forgotten, and what follows applied."""
+    topics = await fresh_topics(kafka_bootstrap)
+    follower = Follower(follower_config(kafka_bootstrap, topics))
+    follower.index = _FailingIndex(fail_at_seq=1, failure=RuntimeError)
+    async with LogWriter(kafka_bootstrap, topics) as log, running(follower):
+        with caplog.at_level(logging.WARNING, logger="consumers.follower"):
+            await log.events(
+                record("w", 0, [stored([1, 2])]),
+                record("w", 1, [removed([2])]),
+                record("w", 2, [stored([3])]),
+                record("v", 0, [stored([1, 2])]),
+            )
+            await wait_until(lambda: follower.stats.events_applied == 3, "the other records")
+        assert follower.stats.bad_records == {(topics.events, "apply_error"): 1}
+        assert resident(follower, "w") == 1, "w's group was forgotten, then stored 3"
+        assert hit_tokens(follower, "w", [3]) == 16
+        assert hit_tokens(follower, "v", [1, 2]) == 32
+        [warning] = [r for r in caplog.records if "apply_error" in r.getMessage()]
+        assert warning.exc_info is not None
+        assert str(warning.exc_info[1]) == "apply failed at seq 1"
 
 
 async def test_group_mode_commits_only_what_was_applied(kafka_bootstrap: str) -> None:
@@ -166,14 +208,16 @@ async def test_group_mode_commits_only_what_was_applied(kafka_bootstrap: str) ->
         committed = await committed_offsets(kafka_bootstrap, topics.prefix, topics.events, 1)
         assert committed == {0: offsets[-1] + 1}
 
-        # Small fetches, so that commits happen between the batches before the failing one.
+        # Small fetches, so that commits happen between the batches before the interrupted one.
+        # Applying is cut short at seq 15, mid-batch (a cancellation is the one failure that
+        # still ends the consume loop between two records).
         failing = Follower(dataclasses.replace(config, max_records_per_fetch=2))
-        failing.index = _FailingIndex(fail_at_seq=15)
+        failing.index = _FailingIndex(fail_at_seq=15, failure=asyncio.CancelledError)
         offsets = await log.events(
             *(record("w", seq, [stored([seq + 1])]) for seq in range(10, 20))
         )
         await failing.start()
-        with pytest.raises(RuntimeError, match="seq 15"):
+        with pytest.raises(asyncio.CancelledError):
             await failing.run()
         await failing.stop(final_snapshot=False)
     after_failure = await committed_offsets(kafka_bootstrap, topics.prefix, topics.events, 1)
@@ -217,3 +261,212 @@ async def test_group_rebalance_commits_revoked_partitions_and_marks_their_groups
                 for worker, group in keys:
                     assert resident(second, worker, group) == (1 if (worker, group) in moved else 0)
                     assert not second.stale_groups(worker)
+
+
+async def test_a_key_whose_group_is_no_ascii_number_is_a_bad_record_and_the_rest_apply(
+    kafka_bootstrap: str,
+) -> None:
+    """``int()`` failed on such keys and its ValueError stopped the follower at that offset,
+    again after every restart."""
+    topics = await fresh_topics(kafka_bootstrap)
+    async with (
+        LogWriter(kafka_bootstrap, topics) as log,
+        running(Follower(follower_config(kafka_bootstrap, topics))) as follower,
+    ):
+        good = record("w", 0, [stored([1])])
+        await log.raw(topics.events, "w/\N{SUPERSCRIPT TWO}".encode(), encode(good))
+        await log.raw(topics.events, b"w/" + b"9" * 5000, encode(good))
+        await log.events(good, record("w", 1, [stored([2])]))
+        await wait_until(lambda: follower.stats.events_applied == 2, "the good records applied")
+        assert follower.stats.bad_records == {(topics.events, "bad_key"): 2}
+        assert hit_tokens(follower, "w", [1, 2]) == 32
+
+
+async def score_over_http(follower: Follower, body: dict[str, Any]) -> tuple[int, Any]:
+    """POST /v1/score to the follower's API; the JSON answer, or the text of a failure."""
+    stats = ScoreStats()
+    api = ScoreApi(follower, index_registry(follower, stats), stats)
+    async with TestClient(TestServer(build_app(api))) as client:
+        response = await client.post("/v1/score", json=body)
+        if response.content_type != "application/json":
+            return response.status, await response.text()
+        return response.status, await response.json()
+
+
+def scraped(follower: Follower, name: str) -> float:
+    """A sample of the follower's /metrics page, as Prometheus would read it."""
+    page = generate_latest(index_registry(follower, ScoreStats())).decode()
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    raise AssertionError(f"{name} is not exported")
+
+
+def answered(answer: dict[str, Any], *fields: str) -> dict[str, tuple[Any, ...]]:
+    return {hit["worker"]: tuple(hit[name] for name in fields) for hit in answer["workers"]}
+
+
+async def test_sizes_no_group_can_have_never_stop_the_others_being_scored(
+    kafka_bootstrap: str,
+) -> None:
+    """A store of block size 0 (vLLM's CPU-offloading stores carry it) keeps its blocks and
+    teaches no group spec; a negative block size, or a worker state whose group has block size
+    0, does not decode and is counted. Learned, either made every score request fail."""
+    topics = await fresh_topics(kafka_bootstrap)
+    zero = msgspec.structs.replace(stored([9]), block_size=0)
+    negative = msgspec.structs.replace(stored([9]), block_size=-16)
+    zero_state = msgspec.structs.replace(
+        worker_state("zero", "live"), groups={0: GroupSpec("full_attention", 0)}
+    )
+    async with (
+        LogWriter(kafka_bootstrap, topics) as log,
+        running(Follower(follower_config(kafka_bootstrap, topics))) as follower,
+    ):
+        await log.events(
+            record("good", 0, [stored([1, 2, 3])]),
+            record("zero", 0, [zero]),
+            record("negative", 0, [negative]),
+        )
+        await log.raw(topics.workers, b"zero", encode(zero_state))
+        consumed = follower.stats.consumed
+        await wait_until(
+            lambda: (consumed.get(topics.events), consumed.get(topics.workers)) == (3, 1),
+            "every record consumed",
+        )
+        status, answer = await score_over_http(follower, {"block_hashes": [1, 2, 3, 9]})
+        assert status == 200, answer
+        assert answer["best"] == "good"
+        assert answered(answer, "hit_tokens", "catalog_ok") == {
+            "good": (48, True),
+            "zero": (0, False),
+        }
+        assert follower.stats.bad_records == {
+            (topics.events, "undecodable"): 1,
+            (topics.workers, "undecodable"): 1,
+        }
+        assert follower.index.counters.sizeless_stores == 1
+        assert scraped(follower, "hmakv_index_sizeless_stores_total") == 1
+
+
+async def test_a_newer_epoch_on_the_workers_topic_drops_the_old_life_before_its_records(
+    kafka_bootstrap: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bridge writes a worker's state of a new epoch only after Kafka took a record of it:
+    the engine restarted, and its old blocks are gone even if that record is not read yet."""
+    topics = await fresh_topics(kafka_bootstrap)
+    async with (
+        LogWriter(kafka_bootstrap, topics) as log,
+        running(Follower(follower_config(kafka_bootstrap, topics))) as follower,
+    ):
+        stats = follower.stats
+        await log.events(record("w", 0, [stored([1, 2, 3])], epoch=1))
+        await wait_until(lambda: stats.events_applied == 1, "epoch 1 applied")
+        assert hit_tokens(follower, "w", [1, 2, 3]) == 48
+
+        await log.state(worker_state("w", "live", epoch=2))
+        await wait_until(lambda: stats.worker_states_applied == 1, "the epoch 2 state")
+        assert hit_tokens(follower, "w", [1, 2, 3]) == 0
+        assert follower.index.workers()[0].epoch == 2
+
+        await log.events(
+            record("w", -1, [cleared()], epoch=2), record("w", 0, [stored([1, 2])], epoch=2)
+        )
+        await wait_until(lambda: stats.events_applied == 3, "epoch 2 applied")
+        assert hit_tokens(follower, "w", [1, 2, 3]) == 32
+
+        with caplog.at_level(logging.WARNING, logger="consumers.follower"):
+            for _ in range(2):  # a bridge that lost its resume point, writing it again
+                await log.state(worker_state("w", "live", epoch=1, last_seq=7))
+            await wait_until(lambda: stats.worker_states_applied == 3, "the epoch 1 states")
+        assert follower.index.workers()[0].epoch == 2
+        assert hit_tokens(follower, "w", [1, 2, 3]) == 32
+        warnings = [r for r in caplog.records if "lost its resume point" in r.getMessage()]
+        assert len(warnings) == 1, "logged once per worker and epoch"
+
+
+async def test_a_failed_commit_is_counted_retried_and_never_stops_the_follower(
+    kafka_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker's rebalance timing cannot be forced from a test, so the member's commits fail
+    here as aiokafka fails them during a rebalance (``CommitFailedError``) until the test lets
+    them through: applying goes on, a later interval commits, and ``stop()`` still writes the
+    final snapshot when its own commit fails."""
+    topics = await fresh_topics(kafka_bootstrap)
+    config = follower_config(kafka_bootstrap, topics, mode="group", group_id=topics.prefix)
+    follower = Follower(config, FileSnapshotStore(tmp_path / "index.snapshot"))
+    tp = TopicPartition(topics.events, 0)
+    failing = True
+    async with LogWriter(kafka_bootstrap, topics) as log:
+        await follower.start()
+        try:
+            really_commit = follower._events.commit
+
+            async def commit(offsets: dict[TopicPartition, int]) -> None:
+                if failing:
+                    raise CommitFailedError("the group is rebalancing")
+                await really_commit(offsets)
+
+            follower._events.commit = commit
+            with caplog.at_level(logging.WARNING, logger="consumers.follower"):
+                offsets = await log.events(*(record("w", s, [stored([s + 1])]) for s in range(5)))
+                await wait_until(lambda: follower.stats.events_applied == 5, "all applied")
+                await wait_until(lambda: follower.stats.commits_failed >= 2, "commits retried")
+            assert any("CommitFailedError" in r.getMessage() for r in caplog.records)
+            assert scraped(follower, "hmakv_index_commits_failed_total") == (
+                follower.stats.commits_failed
+            )
+
+            failing = False
+
+            async def committed() -> bool:
+                found = await committed_offsets(kafka_bootstrap, topics.prefix, topics.events, 1)
+                return found == {0: offsets[-1] + 1}
+
+            await wait_until(committed, "a later interval committed everything")
+            assert follower.positions()[tp] == offsets[-1] + 1
+            failing = True
+            failed = follower.stats.commits_failed
+        finally:
+            await follower.stop()
+    assert follower.stats.commits_failed == failed + 1, "stop() tried to commit"
+    assert follower.stats.snapshots_written == 1, "and still wrote its final snapshot"
+
+
+async def test_a_worker_with_stale_groups_is_never_the_best(kafka_bootstrap: str) -> None:
+    """In group mode a revoked partition's groups are kept but no longer followed: their blocks
+    may be gone, so such a worker's hit is shown, marked, and never named best."""
+    topics = await fresh_topics(kafka_bootstrap, partitions=2)
+    # One worker per partition, each key where the bridge's producer puts it.
+    by_partition = {partition_of(name, 0, 2): name for name in (f"w{n}" for n in range(32))}
+    workers = [by_partition[0], by_partition[1]]
+
+    def member(name: str) -> Follower:
+        return Follower(
+            follower_config(
+                kafka_bootstrap, topics, mode="group", group_id=topics.prefix, follower_id=name
+            )
+        )
+
+    async with LogWriter(kafka_bootstrap, topics) as log:
+        await log.events(*(record(w, 0, [stored([1, 2, 3])]) for w in workers))
+        async with running(member("first")) as first:
+            await wait_until(lambda: first.stats.events_applied == 2, "both applied")
+            async with running(member("second")) as second:
+                await wait_until(
+                    lambda: second.ready and len(first.assigned_partitions()) == 1,
+                    "the partitions split between the members",
+                )
+                [stale] = [w for w in workers if first.stale_groups(w)]
+                [followed] = [w for w in workers if w != stale]
+                # The followed worker now holds less than the stale one is said to.
+                await log.events(record(followed, 1, [removed([2, 3])]))
+                await wait_until(lambda: first.stats.events_applied == 3, "the removal applied")
+                status, answer = await score_over_http(first, {"block_hashes": [1, 2, 3]})
+        assert status == 200, answer
+        assert answer["best"] == followed
+        assert answer["group_blind"]["best"] == followed
+        assert answered(answer, "hit_tokens", "stale_groups") == {
+            stale: (48, [0]),
+            followed: (16, []),
+        }

@@ -15,6 +15,7 @@ from follower_kit import (
     cleared,
     follower_config,
     fresh_topics,
+    partition_of,
     record,
     removed,
     stored,
@@ -188,5 +189,56 @@ async def test_records_deleted_before_the_snapshot_caught_up_are_counted_as_lost
     try:
         await applied_everything(second, 2)
         assert second.stats.records_lost == 3
+    finally:
+        await second.stop()
+
+
+async def test_groups_whose_records_were_lost_are_forgotten_not_served_as_live(
+    kafka_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lost record may have removed blocks the index still holds: every (worker, group) whose
+    key maps to the partition that lost records under-reports until new records, rather than
+    report hits its worker may not have. Groups on other partitions keep their state."""
+    topics = await fresh_topics(kafka_bootstrap, partitions=2)
+    names = [f"w{n}" for n in range(64)]
+    # "lost" has group 0 on partition 0 and group 1 on partition 1; "kept" has group 0 on 1.
+    lost = next(w for w in names if (partition_of(w, 0, 2), partition_of(w, 1, 2)) == (0, 1))
+    kept = next(w for w in names if partition_of(w, 0, 2) == 1)
+    config = follower_config(kafka_bootstrap, topics)
+    path = tmp_path / "index.snapshot"
+    async with LogWriter(kafka_bootstrap, topics) as log:
+        before = [
+            record(lost, 0, [stored([1, 2, 3])]),
+            record(lost, 0, [stored([1, 2, 3], group=1)], group=1),
+            record(kept, 0, [stored([1, 2, 3])]),
+        ]
+        await log.events(*before)
+        first = Follower(config, FileSnapshotStore(path))
+        await first.start()
+        await applied_everything(first, len(before))
+        await first.stop()  # the snapshot holds blocks 1..3 in both of lost's groups
+        removal, after = await log.events(
+            record(lost, 1, [removed([1, 2, 3])]), record(lost, 2, [stored([7])])
+        )
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:  # retention deletes the removal before the follower reads it
+        await admin.delete_records({TopicPartition(topics.events, 0): RecordsToDelete(after)})
+    finally:
+        await admin.close()
+    second = Follower(config, FileSnapshotStore(path))
+    with caplog.at_level(logging.ERROR, logger="consumers.follower"):
+        await second.start()
+    try:
+        await applied_everything(second, 1)
+        assert second.stats.records_lost == after - removal
+        hits = {s.worker: s for s in second.index.score([1, 2, 3], 3 * 16 + 1)}
+        assert hits[lost].group_hit_tokens == {0: 0, 1: 48}
+        assert (hits[lost].hit_tokens, hits[kept].hit_tokens) == (0, 48)
+        assert {info.name: info.resident for info in second.index.workers()} == {
+            lost: {0: {"GPU": 1}, 1: {"GPU": 3}},
+            kept: {0: {"GPU": 3}},
+        }
+        assert f"{lost} [0]" in caplog.text
     finally:
         await second.stop()
