@@ -117,6 +117,12 @@ class BridgeMetrics:
             worker,
             registry=r,
         )
+        self.producer_replacements = Counter(
+            "hmakv_bridge_kafka_producer_replacements",
+            "Kafka producers replaced after a refusal (an idempotent one numbers batches per "
+            "partition; a new one starts afresh)",
+            registry=r,
+        )
         self.send_retries = Counter(
             "hmakv_bridge_kafka_send_retries",
             "Record batches sent again after a retriable Kafka error",

@@ -152,6 +152,7 @@ class BridgeService:
             in_flight=self.settings.in_flight if started.idempotent else 1,
             linger=self.settings.linger,
             state_interval=self.settings.state_interval,
+            replace_producer=self._replace_producer,
         )
         for task in self._sink.start():
             self._watch(task)
@@ -198,11 +199,7 @@ class BridgeService:
             self._probe.cancel()
             await asyncio.gather(self._probe, return_exceptions=True)
         if self._producer is not None:
-            # An idempotent producer retries an unreachable Kafka forever; shutdown must not.
-            try:
-                await asyncio.wait_for(self._producer.stop(), self.settings.shutdown_timeout)
-            except TimeoutError:
-                log.error("Kafka producer not closed within the shutdown timeout")
+            await self._close_producer(self._producer)
         self._ctx.destroy(linger=0)
         if self._runner is not None:
             await self._runner.cleanup()
@@ -289,6 +286,18 @@ class BridgeService:
         return await read_worker_states(
             self.settings.kafka, topic, partitions, security=self.settings.security
         )
+
+    async def _replace_producer(self, old: AIOKafkaProducer) -> AIOKafkaProducer:
+        await self._close_producer(old)
+        self._producer = (await self._connect_kafka()).producer
+        return self._producer
+
+    async def _close_producer(self, producer: AIOKafkaProducer) -> None:
+        # An idempotent producer retries an unreachable Kafka forever; closing must not.
+        try:
+            await asyncio.wait_for(producer.stop(), self.settings.shutdown_timeout)
+        except TimeoutError:
+            log.error("Kafka producer not closed within %.1f s", self.settings.shutdown_timeout)
 
     async def _probe_kafka(self) -> None:
         while True:

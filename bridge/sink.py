@@ -18,7 +18,11 @@ large for the broker, authorization) drops the item and tells its worker, whose 
 new epoch, since later records of the worker may already be in Kafka. Nothing later of the
 refused epoch is acknowledged, so the worker's resume point never passes the refused batch. A
 refused clear is logged and counted but starts no further epoch, or a partition that refuses
-everything would start one per clear.
+everything would start one per clear. After any final refusal the producer is replaced once what
+is in flight has settled (``replace_producer``): aiokafka's idempotent producer numbers a batch
+when it takes it for sending, also one it then expires (no partition leader for the request
+timeout), and from then on the broker refuses every later batch of that partition as out of
+order; a new producer numbers afresh.
 
 The queue bound applies to live intake; what a replay or a clear produces is always accepted,
 which the number of concurrent replays bounds in turn.
@@ -31,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer
@@ -48,6 +52,8 @@ from bridge.records import DeadLetter, Topics, WorkerState
 log = logging.getLogger(__name__)
 
 RefusalHandler = Callable[[int, int], None]  # (epoch, seq) of the refused item
+# Given the producer that saw a refusal: a started new one in its place (the old one closed).
+ProducerReplacer = Callable[[AIOKafkaProducer], Awaitable[AIOKafkaProducer]]
 Target = tuple[str, int]  # (topic, partition)
 _RETRY_LOG_INTERVAL_S = 10.0
 _FULL_REPORT_S = 1.0  # how often a full queue adds its time to queue_full_seconds
@@ -79,8 +85,11 @@ class KafkaSink:
         linger: float = 0.0,
         retry_backoff: float = 0.5,
         state_interval: float = 1.0,
+        replace_producer: ProducerReplacer | None = None,
     ) -> None:
         self._producer = producer
+        self._replace_producer = replace_producer
+        self._producer_refused = False  # a final refusal since the producer was made
         self._topics = topics
         self._board = board
         self._metrics = metrics
@@ -101,6 +110,8 @@ class KafkaSink:
         self._idle.set()
         self._slots = asyncio.Semaphore(in_flight)
         self._flights: asyncio.Queue[_Chunk] = asyncio.Queue()
+        self._settled = asyncio.Event()  # set whenever no chunk is unaccounted for
+        self._settled.set()
         self._unsettled = 0  # chunks handed to the producer, not yet accounted for
         self._taken = 0  # items out of the queue, in a chunk not yet accounted for
         self._refused_epoch: dict[str, int] = {}  # per worker: its newest epoch with a refusal
@@ -197,6 +208,8 @@ class KafkaSink:
             # A slot first, then the chunk: what arrives while all slots wait for Kafka joins
             # this chunk instead of making small ones.
             await self._slots.acquire()
+            if self._producer_refused and self._replace_producer is not None:
+                await self._renew_producer(self._replace_producer)
             await self._let_chunk_grow()
             self._work.clear()
             items = self._take()
@@ -206,11 +219,20 @@ class KafkaSink:
                 self._slots.release()
             else:
                 self._unsettled += 1
+                self._settled.clear()
                 await self._submit(chunk, list(chunk.targets))
                 self._flights.put_nowait(chunk)
             if self._queue or self._board.dirty:
                 self._work.set()
             self._note_idle()
+
+    async def _renew_producer(self, replace: ProducerReplacer) -> None:
+        """A new producer in place of one that saw a refusal, once nothing is in flight on it."""
+        await self._settled.wait()
+        log.warning("replacing the Kafka producer after a refusal")
+        self._producer = await replace(self._producer)
+        self._producer_refused = False
+        self._metrics.producer_replacements.inc()
 
     async def _let_chunk_grow(self) -> None:
         """Wait until the oldest queued item is ``linger`` seconds old or a full chunk is queued.
@@ -233,6 +255,8 @@ class KafkaSink:
             self._settle(chunk, refused)
             self._taken -= len(chunk.items)
             self._unsettled -= 1
+            if not self._unsettled:
+                self._settled.set()
             self._slots.release()
             self._note_idle()
 
@@ -394,6 +418,7 @@ class KafkaSink:
         self._metrics.send_latency.observe(acknowledged - chunk.started)
         for target, error in chunk.refused.items():
             log.error("Kafka refused records for %s[%d]: %r", *target, error)
+        self._producer_refused |= bool(chunk.refused)
         now = time.time()
         last_seqs: dict[str, int] = {}
         index = 0

@@ -66,7 +66,10 @@ async def test_a_refused_batch_starts_one_new_epoch_and_no_resume_point_passes_i
             await log.wait_for(caught_up, "the steps after the refusal, in epoch 1")
             await asyncio.sleep(0.5)  # time for any further (wrong) epoch to start
             epochs = metric(bridge, "hmakv_bridge_epochs_started_total", worker="engine-a")
+            replaced = metric(bridge, "hmakv_bridge_kafka_producer_replacements_total")
     assert epochs == 1
+    # The steps after it went through a new producer: one that saw a refusal may be stuck.
+    assert replaced == 1
     # The workers topic never said that epoch 0 reached the refused seq: a restart would have
     # resumed after it.
     assert not [s for s in log.states if s.epoch == 0 and s.last_seq >= REFUSED_SEQ]
