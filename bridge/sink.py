@@ -336,19 +336,27 @@ class KafkaSink:
     async def _complete(self, chunk: _Chunk) -> set[int]:
         """Wait until Kafka has every record of the chunk or refused it; the refused indexes.
 
-        With one chunk in flight, a retriable failure is sent again before anything later. With
-        several (an idempotent producer, which retries those itself, in order), a failure that
-        still comes back is final.
+        With one chunk in flight, a retriable failure is sent again before anything later, unless
+        a later record batch of the same partition got through (sent again, the failed one would
+        land after it, and consumers would skip its seqs as old). With several (an idempotent
+        producer, which retries those itself, in order), a failure that still comes back is final.
         """
         while True:
             outcomes = await asyncio.gather(
                 *(future for _, future in chunk.deliveries), return_exceptions=True
             )
             failed: dict[Target, BaseException] = {}
+            overtaken: set[Target] = set()
             for (target, _), outcome in zip(chunk.deliveries, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     failed.setdefault(target, outcome)
-            retry = [t for t, e in failed.items() if _retriable(e) and self._in_flight == 1]
+                elif target in failed:
+                    overtaken.add(target)
+            retry = [
+                t
+                for t, e in failed.items()
+                if _retriable(e) and self._in_flight == 1 and t not in overtaken
+            ]
             for target, error in failed.items():
                 if target not in retry:
                     chunk.refused[target] = error
