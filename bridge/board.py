@@ -51,6 +51,25 @@ class WorkerBoard:
             view.groups = groups
             view.changed = True
 
+    def begin_epoch(self, worker: str, epoch: int, *, new_life: bool) -> None:
+        """The worker's next records open ``epoch``: the workers topic must say so first.
+
+        A restart resumes the new epoch from seq 0 for a new engine life; otherwise (a refusal
+        opened it) from where Kafka holds the worker's records, checked against that batch.
+        """
+        view = self.views.get(worker)
+        if view is None or epoch <= view.epoch:
+            return
+        view.epoch = epoch
+        if new_life:
+            view.last_seq, view.last_ts = -1, 0.0
+        view.changed = True
+
+    def opens_epoch(self, worker: str | None, epoch: int) -> bool:
+        """Whether a record of this epoch would be the worker's first of a newer epoch."""
+        view = self.views.get(worker) if worker is not None else None
+        return view is not None and epoch > view.epoch
+
     def acknowledged(
         self, worker: str, epoch: int, seq: int, ts: float, *, engine_batch: bool
     ) -> None:

@@ -5,7 +5,8 @@ loop takes everything queued, up to ``max_chunk_records``, as one chunk, builds 
 per partition (``create_batch``/``send_batch``: no per-record future or lock, and aiokafka's
 default partitioner, so keys land where any client would put them) and hands it to the
 producer; the settle loop waits for each chunk's acknowledgement, in order, and only then moves
-the workers' resume points. Up to ``in_flight`` chunks are unacknowledged at once.
+the workers' resume points. Up to ``in_flight`` chunks are unacknowledged at once. A worker's
+new epoch is written to the workers topic, and acknowledged, before any record of it.
 
 Every key's order holds through failures. An idempotent producer (Apache Kafka) retries
 retriable errors itself, in order, so several chunks may be in flight, and an error that still
@@ -212,6 +213,8 @@ class KafkaSink:
                 await self._renew_producer(self._replace_producer)
             await self._let_chunk_grow()
             self._work.clear()
+            if self._queue and self._opens_epoch(self._queue[0]):
+                await self._announce_epoch(self._queue[0])
             items = self._take()
             self._taken += len(items)
             chunk = await self._prepare(items, flush_states=False)
@@ -225,6 +228,21 @@ class KafkaSink:
             if self._queue or self._board.dirty:
                 self._work.set()
             self._note_idle()
+
+    def _opens_epoch(self, item: Outgoing) -> bool:
+        return self._board.opens_epoch(item.worker, item.epoch)
+
+    async def _announce_epoch(self, first: Outgoing) -> None:
+        """Write the worker's new epoch to the workers topic, acknowledged, before any record of
+        it is handed over: a bridge restarted in between would otherwise resume the older epoch,
+        whose records consumers then ignore as older than what they have seen."""
+        assert first.worker is not None
+        await self._settled.wait()  # what came before is accounted for, the resume point too
+        self._board.begin_epoch(first.worker, first.epoch, new_life=first.seq < 0)
+        chunk = await self._prepare([], flush_states=False)
+        if chunk is not None:
+            await self._submit(chunk, list(chunk.targets))
+            self._settle(chunk, await self._complete(chunk))
 
     async def _renew_producer(self, replace: ProducerReplacer) -> None:
         """A new producer in place of one that saw a refusal, once nothing is in flight on it."""
@@ -274,6 +292,8 @@ class KafkaSink:
         items: list[Outgoing] = []
         count = 0
         while self._queue and (not items or count < self._max_chunk_records):
+            if items and self._opens_epoch(self._queue[0]):
+                break  # its epoch goes to the workers topic first, with nothing else in flight
             item = self._queue.popleft()
             items.append(item)
             count += len(item.records)

@@ -222,6 +222,23 @@ def test_the_board_writes_changes_at_once_and_resume_points_per_interval() -> No
     assert board.due(now=200.0, flush=True) == []
 
 
+def test_a_new_epoch_is_announced_with_where_a_restart_would_resume_it() -> None:
+    board = WorkerBoard()
+    board.add("w", WorkerView())
+    board.acknowledged("w", 0, 5, 55.0, engine_batch=True)
+    board.due(now=1.0, flush=True)
+    assert board.opens_epoch("w", 1) and not board.opens_epoch("w", 0)
+    assert not board.opens_epoch(None, 1) and not board.opens_epoch("gone", 1)
+    board.begin_epoch("w", 1, new_life=False)  # a refusal: the same engine life goes on
+    [state] = board.due(now=2.0)
+    assert (state.epoch, state.last_seq, state.ts) == (1, 5, 55.0)
+    board.begin_epoch("w", 2, new_life=True)  # a restart: the new life starts at seq 0
+    [state] = board.due(now=3.0)
+    assert (state.epoch, state.last_seq, state.ts) == (2, -1, 0.0)
+    board.begin_epoch("w", 1, new_life=True)  # an older epoch: nothing
+    assert board.due(now=4.0) == []
+
+
 # --- logs ----------------------------------------------------------------------------------------
 
 

@@ -12,11 +12,12 @@ import asyncio
 
 from aiokafka.errors import NotLeaderForPartitionError
 from aiokafka.producer.message_accumulator import BatchBuilder
+from aiokafka.record.memory_records import MemoryRecords
 
 from bridge.board import WorkerBoard, WorkerView
 from bridge.metrics import BridgeMetrics
 from bridge.outbox import KafkaRecord, Outgoing
-from bridge.records import Topics
+from bridge.records import Topics, decode_worker_state
 from bridge.sink import KafkaSink
 
 TOPICS = Topics("t")
@@ -90,3 +91,63 @@ async def test_a_failed_record_batch_overtaken_by_a_later_one_is_refused_not_sen
     sent, refused = await delivered({0: NotLeaderForPartitionError()})
     assert sent == [3, 3]
     assert refused == [1, 2, 3, 4, 5, 6]
+
+
+class SlowProducer(ScriptedProducer):
+    """Acknowledges each record batch 20 ms after it is handed over; keeps what each held."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.log: list[tuple[str, list[bytes]]] = []  # (event, values): "sent", then "acked"
+
+    async def send_batch(self, batch: BatchBuilder, topic: str, *, partition: int) -> object:
+        built = MemoryRecords(bytes(batch._build())).next_batch()
+        values = [bytes(record.value or b"") for record in built or ()]
+        self.log.append((f"sent {topic}", values))
+        acknowledged: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def acknowledge() -> None:
+            self.log.append((f"acked {topic}", values))
+            acknowledged.set_result(None)
+
+        asyncio.get_running_loop().call_later(0.02, acknowledge)
+        return acknowledged
+
+
+async def test_a_new_epoch_is_in_the_workers_topic_before_any_record_of_it() -> None:
+    """Were it not, a bridge restarted in between would resume the older epoch, whose records
+    consumers then ignore as older than the new epoch's they have seen."""
+    producer = SlowProducer()
+    board = WorkerBoard()
+    board.add("w", WorkerView())
+    sink = KafkaSink(producer, TOPICS, board, BridgeMetrics(), max_queued=100, in_flight=2)  # type: ignore[arg-type]
+    sink.start()
+
+    def put(epoch: int, seq: int, engine_batch: bool = True) -> None:
+        value = f"{epoch}/{seq}".encode()
+        record = KafkaRecord(TOPICS.events, b"w/0", value, [])
+        sink.put(Outgoing("w", epoch, seq, 1.0, [record], engine_batch))
+
+    for seq in range(1, 4):
+        put(0, seq)
+    put(1, -1, engine_batch=False)  # the clear that opens the engine's next life
+    for seq in range(3):
+        put(1, seq)
+    await asyncio.wait_for(sink.close(5.0), 10)
+
+    def epochs(values: list[bytes]) -> set[int]:
+        return {decode_worker_state(v).epoch for v in values}
+
+    announced = next(
+        i
+        for i, (event, values) in enumerate(producer.log)
+        if event == f"acked {TOPICS.workers}" and 1 in epochs(values)
+    )
+    first_of_epoch_1 = next(
+        i
+        for i, (event, values) in enumerate(producer.log)
+        if event == f"sent {TOPICS.events}" and any(v.startswith(b"1/") for v in values)
+    )
+    assert announced < first_of_epoch_1
+    view = board.views["w"]
+    assert (view.epoch, view.last_seq) == (1, 2)
