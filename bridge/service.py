@@ -412,13 +412,18 @@ class BridgeService:
         return channel
 
     def _position(self, worker: str) -> WorkerState | None:
-        """A live worker's position as a resume point, for an engine that restarts on reload."""
+        """A live worker's position as a resume point, for an engine that restarts on reload.
+
+        Its tracker may be in a newer epoch than Kafka holds yet (a restart or a refusal just
+        seen, its clear still queued): the reloaded engine goes on in that epoch, since the
+        queued records of it still reach consumers, who would ignore the older one's after them.
+        """
         view = self._board.views.get(worker)
         if view is None:
             return None
-        return WorkerState(
-            worker, view.epoch, view.last_seq, view.health, view.groups, view.last_ts
-        )
+        channel = self._channels.get(worker)
+        epoch = max(view.epoch, channel.relay.tracker.epoch) if channel else view.epoch
+        return WorkerState(worker, epoch, view.last_seq, view.health, view.groups, view.last_ts)
 
     def _worker_names(self, engine_name: str) -> list[str]:
         return [address.worker for address in self._engines[engine_name].workers()]

@@ -8,6 +8,7 @@ RECORD_TOO_LARGE, a final error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from bridge_harness import (
@@ -23,7 +24,7 @@ from bridge_harness import (
 )
 
 from bridge.kafka_client import TopicSpec, ensure_topics
-from producer.events import AllBlocksCleared, BlockStored, KVEventBatch
+from producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch
 
 pytestmark = pytest.mark.kafka
 
@@ -100,3 +101,33 @@ async def test_a_delivery_loop_that_fails_stops_the_bridge_being_ready(
             await engine.published_all(3)
             await asyncio.wait_for(bridge.wait_crashed(), 10)
             assert not bridge.readiness().ready
+
+
+async def test_an_engine_reloaded_while_its_new_epoch_is_queued_goes_on_in_that_epoch(
+    kafka_bootstrap: str,
+) -> None:
+    """A reload restarts a changed engine from its position. A refusal just seen (made here by
+    telling the worker's channel directly, no broker refusing on cue) has opened epoch 1, its
+    clear still queued when the reload reads the position: the engine must go on in epoch 1,
+    whose clear consumers will see, not in epoch 0, whose records they would then ignore."""
+    engine = EngineThread("engine-a")
+    settings = settings_for(kafka_bootstrap)
+    log = KafkaLog(kafka_bootstrap, settings.topics)
+    with engines_running(engine):
+        async with running_bridge(settings, [engine.config]) as bridge:
+            await engine.published_all(3)
+            await metric_reaches(bridge, "hmakv_bridge_worker_last_seq", 3, worker="engine-a")
+            bridge._channels["engine-a"].on_refused(0, 3)
+            groups = {0: GroupSpec("full_attention", 4)}
+            await bridge.reload([dataclasses.replace(engine.config, groups=groups)])
+            await engine.published_all(3)
+
+            def caught_up(log: KafkaLog) -> bool:
+                state = log.state("engine-a")
+                return state is not None and state.last_seq == 6
+
+            await log.wait_for(caught_up, "the steps after the reload")
+    assert log.state("engine-a").epoch == 1  # type: ignore[union-attr]
+    for group in GROUPS:
+        epochs = [r.epoch for r in log.records_of("engine-a") if r.group_idx == group]
+        assert epochs == sorted(epochs) and epochs[-1] == 1
