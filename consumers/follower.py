@@ -255,17 +255,7 @@ class Follower:
         for tp in tps:
             saved = self._positions.get(tp, 0)
             if saved < beginnings[tp] and tp in self._positions:
-                log.error(
-                    "%s[%d]: records %d..%d were deleted by retention before this follower "
-                    "applied them",
-                    tp.topic,
-                    tp.partition,
-                    saved,
-                    beginnings[tp] - 1,
-                )
-                self.stats.records_lost += beginnings[tp] - saved
-                if tp.topic == self.config.topics.events:
-                    await self._drop_lost_groups(consumer, tp)
+                await self._records_lost(consumer, tp, saved, beginnings[tp])
             position = max(saved, beginnings[tp])
             consumer.seek(tp, position)
             self._positions[tp] = position
@@ -274,6 +264,20 @@ class Follower:
         for tp in tps:
             if ends[tp] > self._positions[tp]:
                 self._ready_targets[tp] = ends[tp]
+
+    async def _records_lost(self, consumer: Any, tp: TopicPartition, start: int, end: int) -> None:
+        """Records ``start``..``end - 1`` of ``tp`` were deleted (retention) before this
+        follower applied them: counted, logged, and their groups forgotten (events topic)."""
+        log.error(
+            "%s[%d]: records %d..%d were deleted by retention before this follower applied them",
+            tp.topic,
+            tp.partition,
+            start,
+            end - 1,
+        )
+        self.stats.records_lost += end - start
+        if tp.topic == self.config.topics.events:
+            await self._drop_lost_groups(consumer, tp)
 
     async def _drop_lost_groups(self, consumer: Any, lost: TopicPartition) -> None:
         """Forget every (worker, group) whose records go to a partition that lost some.
@@ -312,6 +316,11 @@ class Follower:
                 timeout_ms=_FETCH_TIMEOUT_MS, max_records=self.config.max_records_per_fetch
             )
             for tp, records in batches.items():
+                expected = self._positions.get(tp, records[0].offset)
+                if consumer is self._events and expected < records[0].offset:
+                    # The events topic's offsets have no holes: the consumer was reset past
+                    # records retention deleted while this follower was behind.
+                    await self._records_lost(consumer, tp, expected, records[0].offset)
                 for record in records:
                     apply(tp, record)
                 self._positions[tp] = records[-1].offset + 1

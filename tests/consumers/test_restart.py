@@ -242,3 +242,35 @@ async def test_groups_whose_records_were_lost_are_forgotten_not_served_as_live(
         assert f"{lost} [0]" in caplog.text
     finally:
         await second.stop()
+
+
+async def test_records_deleted_while_a_running_follower_is_behind_are_noticed(
+    kafka_bootstrap: str,
+) -> None:
+    """Retention can also overtake a running follower; aiokafka then moves it to the log start
+    without a word, and the follower must notice the jump itself. Falling behind is made
+    certain by pausing the follower's consumer (aiokafka's own pause) while records come and go."""
+    topics = await fresh_topics(kafka_bootstrap, partitions=1)
+    follower = Follower(follower_config(kafka_bootstrap, topics))
+    await follower.start()
+    try:
+        async with LogWriter(kafka_bootstrap, topics) as log:
+            await log.events(record("w", 0, [stored([1, 2, 3])]))
+            await applied_everything(follower, 1)
+            tp = TopicPartition(topics.events, 0)
+            follower._events.pause(tp)
+            [removal] = await log.events(record("w", 1, [removed([1, 2, 3])]))
+            admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+            await admin.start()
+            try:
+                await admin.delete_records({tp: RecordsToDelete(removal + 1)})
+            finally:
+                await admin.close()
+            await log.events(record("w", 2, [stored([9])]))
+            follower._events.resume(tp)
+            await wait_until(lambda: follower.stats.records_lost == 1, "the deleted record noticed")
+        await applied_everything(follower, 2)
+        # The removal was lost: blocks 1..3 are forgotten, not served as still held.
+        assert follower.index.score([1, 2, 3], 3 * 16 + 1)[0].hit_tokens == 0
+    finally:
+        await follower.stop()
