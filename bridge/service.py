@@ -52,6 +52,9 @@ from producer.events import DEFAULT_MAX_PAYLOAD_BYTES
 log = logging.getLogger(__name__)
 
 _PROBE_INTERVAL_S = 2.0
+# A worker named by topic that has sent nothing for this long may give its place to a new one at
+# --max-workers: llm-d replaces pods under new names, and the old ones never publish again.
+RETIRE_SILENT_AFTER_S = 300.0
 _RECORD_MARGIN_BYTES = 64 * 1024  # a record batch's own overhead around its largest record
 
 
@@ -120,7 +123,9 @@ class BridgeService:
         self._sources: dict[str, tuple[ConnectedSource, asyncio.Task[None]]] = {}
         self._bound: tuple[BoundSource, asyncio.Task[None]] | None = None
         self._by_topic: dict[bytes, EngineConfig] = {}
-        self._topic_workers: set[str] = set()  # workers named by an llm-d style topic
+        # Workers named by an llm-d style topic: when each last sent something (monotonic).
+        self._topic_workers: dict[str, float] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
         self._producer: AIOKafkaProducer | None = None
         self._sink: KafkaSink | None = None
         self._intake: Intake | None = None
@@ -400,16 +405,33 @@ class BridgeService:
         worker = pod if rank in (None, 0) else worker_id(pod, rank)
         channel = self._channels.get(worker)
         if channel is not None and worker in self._topic_workers:
+            self._topic_workers[worker] = time.monotonic()
             return channel
         if channel is not None:
             return f"worker {worker!r} is a configured engine with another topic"
-        if len(self._topic_workers) >= self.settings.max_workers:
+        if len(self._topic_workers) >= self.settings.max_workers and not self._retire_silent():
             return f"more than {self.settings.max_workers} workers named by topic (--max-workers)"
-        self._topic_workers.add(worker)
+        self._topic_workers[worker] = time.monotonic()
         channel = self._new_channel(WorkerAddress(worker, rank, None, None), None, None)
         channel.start()
         log.info("worker %r joined through topic %r", worker, topic)
         return channel
+
+    def _retire_silent(self) -> bool:
+        """Drop the topic-named worker silent longest, if for ``RETIRE_SILENT_AFTER_S``; whether
+        one was. Its last state stays in the workers topic (nothing says the pod is gone)."""
+        silent = min(self._topic_workers, key=self._topic_workers.__getitem__)
+        idle = time.monotonic() - self._topic_workers[silent]
+        if idle < RETIRE_SILENT_AFTER_S:
+            return False
+        del self._topic_workers[silent]
+        channel = self._channels.pop(silent)
+        channel.forget()
+        closing = asyncio.create_task(channel.close())
+        self._retiring.add(closing)
+        closing.add_done_callback(self._retiring.discard)
+        log.info("worker %r retired after %.0f s without a message (--max-workers)", silent, idle)
+        return True
 
     def _position(self, worker: str) -> WorkerState | None:
         """A live worker's position as a resume point, for an engine that restarts on reload.

@@ -198,7 +198,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--max-workers",
         type=positive_int,
         default=env("HMAKV_BRIDGE_MAX_WORKERS", "1024"),
-        help="workers accepted by topic on --bind-sub (env HMAKV_BRIDGE_MAX_WORKERS, default 1024)",
+        help="workers accepted by topic on --bind-sub; past it a new one replaces one silent "
+        "for 5 minutes (env HMAKV_BRIDGE_MAX_WORKERS, default 1024)",
     )
     add(
         "--max-payload-bytes",

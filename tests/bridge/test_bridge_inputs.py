@@ -27,6 +27,7 @@ from bridge_harness import (
     step_batch,
 )
 
+import bridge.service as bridge_service
 from bridge.config import EngineConfig
 from bridge.records import EventRecord
 from producer.events import AllBlocksCleared, BlockRemoved, encode
@@ -319,3 +320,37 @@ async def test_health_readiness_and_metrics_endpoints(kafka_bootstrap: str) -> N
     ):
         assert line in exposition, line
     assert 'worker="nobody"' not in exposition  # a removed worker's series go with it
+
+
+async def test_a_pod_past_max_workers_waits_for_a_silent_one_to_be_retired(
+    kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llm-d replaces pods under new names: at ``--max-workers`` a new pod is dead-lettered
+    while every known one is recent, and takes the place of one silent long enough (shortened
+    here from minutes)."""
+    bind_port = free_port()
+    settings = settings_for(kafka_bootstrap, bind_sub=f"tcp://127.0.0.1:{bind_port}", max_workers=2)
+    endpoint = f"tcp://127.0.0.1:{bind_port}"
+    async with running_bridge(settings, []) as bridge:
+        pods = {
+            pod: ZmqEventPublisher(0, endpoint, None, topic=f"kv@{pod}@llama")
+            for pod in ("pod-a", "pod-b", "pod-c")
+        }
+        try:
+            await asyncio.sleep(0.5)  # the pods' connections to the bridge are made
+            await asyncio.to_thread(publish_steps, [pods["pod-a"], pods["pod-b"]], 20)
+            await asyncio.to_thread(publish_steps, [pods["pod-c"]], 20)
+            unknown = "hmakv_bridge_frames_rejected_total"
+            await metric_reaches(bridge, unknown, 1, reason="worker_unknown")
+            monkeypatch.setattr(bridge_service, "RETIRE_SILENT_AFTER_S", 0.5)
+            await asyncio.sleep(1.0)  # pod-a and pod-b fall silent
+            await asyncio.to_thread(publish_steps, [pods["pod-c"]], 20)
+            log = KafkaLog(kafka_bootstrap, settings.topics)
+            await log.wait_for(lambda log: log.has_seq("pod-c", 40), "pod-c's later steps")
+        finally:
+            for publisher in pods.values():
+                publisher.shutdown()
+    assert {r.worker for r in log.events} == {"pod-a", "pod-b", "pod-c"}
+    # its first 20 steps were dead-lettered: it joined with them lost, cleared and degraded
+    early = [r.events for r in log.records_of("pod-c") if r.seq <= 20]
+    assert early and all(events == [AllBlocksCleared()] for events in early)
