@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from producer.events import BlockRemoved, BlockStored, GroupSpec, KVEvent
+from producer.events import BlockRemoved, BlockStored, GroupSpec, KVEvent, has_group_sizes
 
 UNKNOWN_KIND = "unknown"  # vLLM's own name for a group whose kind it does not report
 _StoreKey = tuple[int, str | None, int | None, int]  # (group, kind, window, block size)
@@ -68,7 +68,7 @@ class GroupCatalog:
         self._learned_keys.add(key)
         group = key[0]
         seen = self._see(group)
-        if not _has_group_sizes(store):
+        if not has_group_sizes(store):
             return seen  # no group has its sizes: it would make the workers' state unreadable
         spec = self._spec_from(group, store)
         if self._specs.get(group) == spec:
@@ -91,10 +91,3 @@ class GroupCatalog:
         self._seen.add(group)
         self._groups = tuple(sorted(self._seen))
         return True
-
-
-def _has_group_sizes(store: BlockStored) -> bool:
-    """Whether the store's block size and window can be a group's (``GroupSpec`` requires them
-    positive); vLLM's CPU-offloading stores carry block size 0."""
-    window = store.kv_cache_spec_sliding_window
-    return store.block_size > 0 and (window is None or window > 0)

@@ -196,7 +196,7 @@ class KafkaSink:
         left = len(self._queue) + self._taken
         if not left and not failed:
             try:
-                await asyncio.wait_for(self._write_states_now(), timeout)
+                await asyncio.wait_for(self._write_states_now(flush=True), timeout)
             except TimeoutError:
                 log.error("worker states not written within %.1f s of shutdown", timeout)
         return left
@@ -239,10 +239,7 @@ class KafkaSink:
         assert first.worker is not None
         await self._settled.wait()  # what came before is accounted for, the resume point too
         self._board.begin_epoch(first.worker, first.epoch, new_life=first.seq < 0)
-        chunk = await self._prepare([], flush_states=False)
-        if chunk is not None:
-            await self._submit(chunk, list(chunk.targets))
-            self._settle(chunk, await self._complete(chunk))
+        await self._write_states_now(flush=False)
 
     async def _renew_producer(self, replace: ProducerReplacer) -> None:
         """A new producer in place of one that saw a refusal, once nothing is in flight on it."""
@@ -278,8 +275,9 @@ class KafkaSink:
             self._slots.release()
             self._note_idle()
 
-    async def _write_states_now(self) -> None:
-        chunk = await self._prepare([], flush_states=True)
+    async def _write_states_now(self, *, flush: bool) -> None:
+        """Write the worker states due (every pending one with ``flush``) and wait for Kafka."""
+        chunk = await self._prepare([], flush_states=flush)
         if chunk is not None:
             await self._submit(chunk, list(chunk.targets))
             self._settle(chunk, await self._complete(chunk))

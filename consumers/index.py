@@ -55,6 +55,7 @@ from producer.events import (
     ExternalBlockHash,
     GroupSpec,
     KVEvent,
+    has_group_sizes,
 )
 
 DEFAULT_HASH_BLOCK_SIZE = 16
@@ -293,8 +294,8 @@ class KVIndex:
         """Move a worker to ``epoch`` if it is newer, dropping its state as a record of a newer
         epoch does; the worker's epoch afterwards (higher than asked when the index is past it).
 
-        The bridge names a worker's new epoch on ``hmakv.workers`` only once Kafka holds a record
-        of it: the engine restarted, whether or not this index has read that record yet.
+        The bridge names a worker's new epoch on ``hmakv.workers`` before it writes any record
+        of it: the previous life is over, whether or not this index has read those records.
         """
         state = self._worker(worker)
         if epoch > state.epoch:
@@ -399,10 +400,10 @@ class KVIndex:
 
     def _learn_group(self, worker: _Worker, group: int, event: BlockStored) -> None:
         """Learn a group's spec from a store; an explicit chunk size is kept, it never travels."""
-        window = event.kv_cache_spec_sliding_window
-        if event.block_size <= 0 or (window is not None and window <= 0):
+        if not has_group_sizes(event):
             self._counters.sizeless_stores += 1
             return
+        window = event.kv_cache_spec_sliding_window
         known = worker.groups.get(group)
         kind = event.kv_cache_spec_kind
         if known is not None and (

@@ -105,6 +105,13 @@ class GroupSpec(msgspec.Struct, frozen=True, gc=False):
     chunk_size: GroupSize | None = None
 
 
+def has_group_sizes(store: BlockStored) -> bool:
+    """Whether a store's block size and window can be a group's (``GroupSize``): vLLM's
+    CPU-offloading stores carry block size 0, and teach nothing about their group."""
+    window = store.kv_cache_spec_sliding_window
+    return store.block_size > 0 and (window is None or window > 0)
+
+
 # --- Decoding --------------------------------------------------------------------------------
 #
 # The bridge decodes every frame of every engine, so the common case must cost what vLLM's own

@@ -1,9 +1,11 @@
-"""The sink's rules for a partition whose record batches fail, without a broker.
+"""The sink's rules for failed record batches and new epochs, without a broker.
 
 Which of a partition's record batches a broker fails, and which it then takes, cannot be chosen
 with a real broker (it takes a batch expiring after 40 s without a partition leader, for
-instance), so a stand-in producer answers each ``send_batch`` as scripted. Everything else is the
-real sink, board and metrics, and aiokafka's own ``BatchBuilder``.
+instance), and the order of hand-overs and acknowledgements across topics cannot be observed
+from outside one; so a stand-in producer answers each ``send_batch`` as scripted and keeps what
+it was handed. Everything else is the real sink, board and metrics, and aiokafka's own
+``BatchBuilder``. (End to end, with Apache Kafka: tests/bridge/test_bridge_delivery.py.)
 """
 
 from __future__ import annotations
