@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bridge.records import Health, WorkerState
+import msgspec
+
+from bridge.records import RETIRED, Health, WorkerState
 from producer.events import GroupSpec
 
 
@@ -32,12 +34,24 @@ class WorkerBoard:
     def __init__(self, interval: float = 1.0) -> None:
         self._interval = interval
         self.views: dict[str, WorkerView] = {}
+        self._retired: list[WorkerState] = []  # written with the next states, then forgotten
 
     def add(self, worker: str, view: WorkerView) -> None:
         self.views[worker] = view
 
     def remove(self, worker: str) -> None:
         self.views.pop(worker, None)
+
+    def retire(self, worker: str, epoch: int, now: float) -> WorkerState | None:
+        """The worker left the fleet: its last state, ``retired`` at ``epoch`` (the newest its
+        tracker reached: records of it may still be queued), is the last written for it."""
+        view = self.views.pop(worker, None)
+        if view is None:
+            return None
+        view.epoch = max(view.epoch, epoch)
+        state = msgspec.structs.replace(self._state(worker, view, now), health=RETIRED)
+        self._retired.append(state)
+        return state
 
     def set_health(self, worker: str, health: Health) -> None:
         view = self.views.get(worker)
@@ -87,7 +101,7 @@ class WorkerBoard:
 
     def due(self, now: float, *, flush: bool = False) -> list[WorkerState]:
         """The states to write now (all pending ones when flushing), marked as written."""
-        states = []
+        states, self._retired = self._retired, []
         for worker, view in self.views.items():
             due_by_time = view.progressed and now - view.written_at >= self._interval
             if view.changed or due_by_time or (flush and view.progressed):
@@ -111,4 +125,4 @@ class WorkerBoard:
 
     @property
     def dirty(self) -> bool:
-        return any(view.changed for view in self.views.values())
+        return bool(self._retired) or any(view.changed for view in self.views.values())

@@ -117,6 +117,12 @@ class BridgeMetrics:
             worker,
             registry=r,
         )
+        self.workers_retired = Counter(
+            "hmakv_bridge_workers_retired",
+            "Workers retired: removed from the fleet's engines, or llm-d pods replaced at "
+            "--max-workers (their state is written once more, retired, for consumers to drop)",
+            registry=r,
+        )
         self.producer_replacements = Counter(
             "hmakv_bridge_kafka_producer_replacements",
             "Kafka producers replaced after a refusal (an idempotent one numbers batches per "

@@ -23,6 +23,9 @@ DEFAULT_TOPIC_PREFIX = "hmakv"
 
 Health = Literal["live", "replaying", "degraded"]
 HEALTH_STATES: tuple[Health, ...] = ("live", "replaying", "degraded")
+# A worker no bridge follows any more: see ``WorkerState``.
+Retired = Literal["retired"]
+RETIRED: Retired = "retired"
 
 
 class Topics(msgspec.Struct, frozen=True):
@@ -150,12 +153,20 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
     restarting resumes replay from ``last_seq + 1``. ``ts`` is the engine's timestamp of that
     batch (0.0 before the first), which lets a consumer tell how current the worker is.
     ``groups`` maps group_idx to its spec as learned from stores (or configured).
+
+    ``health`` ``"retired"``: the worker left the fleet (removed from every bridge's engines, or
+    an llm-d pod replaced at ``--max-workers``) and nothing follows its cache any more. Consumers
+    drop it and ignore its records of ``epoch`` and before, however late they read them (its
+    groups' partitions lag the workers topic, or retention has not removed them yet). Should it
+    come back, the bridge follows it from ``epoch + 1``, a new life from the consumers' view. The
+    state stays in the compacted topic; a tombstone (no value) forgets the worker entirely, once
+    the events topic holds none of its records.
     """
 
     worker: str
     epoch: int
     last_seq: int
-    health: Health
+    health: Health | Retired
     groups: dict[int, GroupSpec]
     ts: float
     data_parallel_rank: int | None = None

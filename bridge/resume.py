@@ -47,7 +47,7 @@ async def read_worker_states(
 def _take(states: dict[str, WorkerState], key: bytes | None, value: bytes | None) -> None:
     worker = (key or b"").decode("utf-8", "replace")
     if value is None:
-        states.pop(worker, None)  # a tombstone: the worker was retired
+        states.pop(worker, None)  # a tombstone: the worker was forgotten
         return
     try:
         states[worker] = decode_worker_state(value)

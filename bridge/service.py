@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import zmq
@@ -33,7 +33,7 @@ from bridge.kafka_client import (
     start_producer,
 )
 from bridge.metrics import BridgeMetrics
-from bridge.records import DEFAULT_TOPIC_PREFIX, Topics, WorkerState, worker_id
+from bridge.records import DEFAULT_TOPIC_PREFIX, RETIRED, Topics, WorkerState, worker_id
 from bridge.relay import WorkerRelay
 from bridge.resume import read_worker_states
 from bridge.sink import KafkaSink
@@ -55,6 +55,7 @@ _PROBE_INTERVAL_S = 2.0
 # A worker named by topic that has sent nothing for this long may give its place to a new one at
 # --max-workers: llm-d replaces pods under new names, and the old ones never publish again.
 RETIRE_SILENT_AFTER_S = 300.0
+_REREAD_TIMEOUT_S = 10.0
 _RECORD_MARGIN_BYTES = 64 * 1024  # a record batch's own overhead around its largest record
 
 
@@ -125,6 +126,9 @@ class BridgeService:
         self._by_topic: dict[bytes, EngineConfig] = {}
         # Workers named by an llm-d style topic: when each last sent something (monotonic).
         self._topic_workers: dict[str, float] = {}
+        # The workers topic as read at start (and on reload), with the workers retired since:
+        # where a worker this bridge does not follow yet would resume.
+        self._known: dict[str, WorkerState] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         self._producer: AIOKafkaProducer | None = None
         self._sink: KafkaSink | None = None
@@ -136,6 +140,7 @@ class BridgeService:
         self._kafka_reachable = False
         self._started = False
         self._crashed = asyncio.Event()  # a task the bridge cannot work without has ended
+        self._reloading = asyncio.Lock()  # one reload at a time: each reads the workers topic
 
     # --- life cycle ------------------------------------------------------------------------------
 
@@ -146,7 +151,7 @@ class BridgeService:
         started = await self._connect_kafka()
         self._producer = started.producer
         self._probe = asyncio.create_task(self._probe_kafka())
-        resumed = await self._read_resume_points(self._producer)
+        resumed = self._known = await self._read_resume_points(self._producer)
         self._sink = KafkaSink(
             self._producer,
             self.settings.topics,
@@ -209,10 +214,23 @@ class BridgeService:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def reload(self, engines: list[EngineConfig]) -> None:
+    async def reload(
+        self, engines: list[EngineConfig], fleet: Collection[str] | None = None
+    ) -> None:
         """Follow a new engine list: removed engines stop, new ones start, changed ones restart
-        from where they were (their trackers verify that by replay)."""
+        from where they were (their trackers verify that by replay).
+
+        ``fleet`` names every engine of the configuration, this bridge's or another shard's
+        (None: ``engines`` is the whole fleet). A removed engine still in it has moved to another
+        bridge, which resumes it from the workers topic; one that is not has left the fleet and
+        is retired. A new engine resumes from the workers topic as it is now (another bridge may
+        have followed it until a moment ago).
+        """
         check_topology(self.settings, engines)
+        async with self._reloading:
+            await self._follow(engines, fleet)
+
+    async def _follow(self, engines: list[EngineConfig], fleet: Collection[str] | None) -> None:
         wanted = {engine.name: engine for engine in engines}
         changed = [n for n, e in self._engines.items() if wanted.get(n) != e]
         positions = {
@@ -222,11 +240,14 @@ class BridgeService:
             if (position := self._position(worker)) is not None
         }
         for name in changed:
-            await self._remove_engine(self._engines.pop(name))
+            gone = name not in wanted and (fleet is None or name not in fleet)
+            await self._remove_engine(self._engines.pop(name), retire=gone)
+        if any(name not in self._engines for name in wanted):
+            await self._reread_resume_points()
         for name, engine in wanted.items():
             if name not in self._engines:
                 self._engines[name] = engine
-                self._add_engine(engine, positions)
+                self._add_engine(engine, {**self._known, **positions})
         self._count_sources()
         log.info("engines reloaded: %s", ", ".join(sorted(wanted)) or "none")
 
@@ -292,6 +313,23 @@ class BridgeService:
             self.settings.kafka, topic, partitions, security=self.settings.security
         )
 
+    async def _reread_resume_points(self) -> None:
+        """The workers topic as it is now, for engines new to this bridge, retried until Kafka
+        answers: one resumed from an older state could continue an epoch consumers left behind
+        (and nothing is forwarded without Kafka anyway)."""
+        assert self._producer is not None
+        while True:
+            try:
+                read = await asyncio.wait_for(
+                    self._read_resume_points(self._producer), _REREAD_TIMEOUT_S
+                )
+            except (KafkaError, OSError, TimeoutError) as error:
+                log.warning("workers topic not read (%r); new engines wait for it", error)
+                await asyncio.sleep(self.settings.kafka_retry)
+                continue
+            self._known = _with_retired(read, self._known)
+            return
+
     async def _replace_producer(self, old: AIOKafkaProducer) -> AIOKafkaProducer:
         await self._close_producer(old)
         self._producer = (await self._connect_kafka()).producer
@@ -339,7 +377,7 @@ class BridgeService:
             source = ConnectedSource(channel, engine.topic, self._deps())
             self._sources[address.worker] = (source, asyncio.create_task(source.run()))
 
-    async def _remove_engine(self, engine: EngineConfig) -> None:
+    async def _remove_engine(self, engine: EngineConfig, *, retire: bool) -> None:
         self._by_topic.pop(engine.topic.encode(), None)
         for address in engine.workers():
             entry = self._sources.pop(address.worker, None)
@@ -349,14 +387,26 @@ class BridgeService:
             channel = self._channels.pop(address.worker, None)
             if channel is not None:
                 await channel.close()
-                channel.forget()
+                self._forget(channel, retire=retire)
+
+    def _forget(self, channel: WorkerChannel, *, retire: bool) -> None:
+        retired = channel.forget(retire=retire)
+        if retired is not None:
+            self._known[channel.worker] = retired
+            self.metrics.workers_retired.inc()
+            log.info(
+                "worker %r retired at epoch %d: consumers drop it", channel.worker, retired.epoch
+            )
 
     def _new_channel(
         self, address: WorkerAddress, engine: EngineConfig | None, state: WorkerState | None
     ) -> WorkerChannel:
         assert self._sink is not None and self._office is not None
         resume = None
-        if state is not None:
+        if state is not None and state.health == RETIRED:
+            # Consumers dropped it and ignore its retired life: a new one, caught up from seq 0.
+            resume = ResumePoint(state.epoch + 1, -1, 0.0)
+        elif state is not None:
             degraded = state.health == "degraded"
             resume = ResumePoint(state.epoch, state.last_seq, state.ts, degraded)
         tracker = SequenceTracker(
@@ -412,21 +462,24 @@ class BridgeService:
         if len(self._topic_workers) >= self.settings.max_workers and not self._retire_silent():
             return f"more than {self.settings.max_workers} workers named by topic (--max-workers)"
         self._topic_workers[worker] = time.monotonic()
-        channel = self._new_channel(WorkerAddress(worker, rank, None, None), None, None)
+        address = WorkerAddress(worker, rank, None, None)
+        channel = self._new_channel(address, None, self._known.get(worker))
         channel.start()
         log.info("worker %r joined through topic %r", worker, topic)
         return channel
 
     def _retire_silent(self) -> bool:
-        """Drop the topic-named worker silent longest, if for ``RETIRE_SILENT_AFTER_S``; whether
-        one was. Its last state stays in the workers topic (nothing says the pod is gone)."""
+        """Retire the topic-named worker silent longest, if for ``RETIRE_SILENT_AFTER_S``;
+        whether one was. Nothing says the pod is gone, but nothing follows it from now on, so
+        consumers must not serve its cache; should it speak again, it comes back as a new life.
+        """
         silent = min(self._topic_workers, key=self._topic_workers.__getitem__)
         idle = time.monotonic() - self._topic_workers[silent]
         if idle < RETIRE_SILENT_AFTER_S:
             return False
         del self._topic_workers[silent]
         channel = self._channels.pop(silent)
-        channel.forget()
+        self._forget(channel, retire=True)
         closing = asyncio.create_task(channel.close())
         self._retiring.add(closing)
         closing.add_done_callback(self._retiring.discard)
@@ -467,6 +520,19 @@ class BridgeService:
             states.append(self._bound[0].state)
         self.metrics.sources.set(len(states))
         self.metrics.sources_connected.set(states.count(SourceState.CONNECTED))
+
+
+def _with_retired(
+    read: dict[str, WorkerState], known: Mapping[str, WorkerState]
+) -> dict[str, WorkerState]:
+    """The workers topic as just read, but for workers retired here whose retired state Kafka
+    may not hold yet (the sink writes it with the next states)."""
+    states = dict(read)
+    for worker, state in known.items():
+        now = read.get(worker)
+        if state.health == RETIRED and (now is None or now.epoch <= state.epoch):
+            states[worker] = state
+    return states
 
 
 def check_topology(settings: BridgeSettings, engines: list[EngineConfig]) -> None:

@@ -168,6 +168,7 @@ class KafkaSink:
 
     def state_changed(self) -> None:
         """A worker's health, epoch or groups changed: write its state without waiting."""
+        self._idle.clear()
         self._work.set()
 
     # --- the delivery loops ----------------------------------------------------------------------

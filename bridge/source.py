@@ -43,7 +43,7 @@ from bridge.intake import Intake
 from bridge.logs import RateLimitedLog
 from bridge.metrics import KNOWN_EVENT_CLASSES, UNKNOWN_EVENT_TYPE, BridgeMetrics
 from bridge.readable import Readable, take_ready
-from bridge.records import DeadLetter
+from bridge.records import DeadLetter, WorkerState
 from bridge.relay import WorkerRelay
 from bridge.sink import KafkaSink
 from bridge.tracking import (
@@ -233,11 +233,21 @@ class WorkerChannel:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._fetches.clear()
 
-    def forget(self) -> None:
-        """The worker left the configuration: drop its board entry, handler and series."""
-        self._board.remove(self.worker)
+    def forget(self, *, retire: bool = False) -> WorkerState | None:
+        """This bridge stops following the worker: drop its board entry, handler and series.
+
+        ``retire``: the worker left the fleet, and no other bridge takes it over; its state is
+        written once more, ``retired``, so that consumers drop it. That state is returned.
+        """
+        retired = None
+        if retire:
+            retired = self._board.retire(self.worker, self.relay.tracker.epoch, time.time())
+            self._sink.state_changed()
+        else:
+            self._board.remove(self.worker)
         self._sink.refusal_handlers.pop(self.worker, None)
         self._metrics.forget_worker(self.worker)
+        return retired
 
     # --- carrying out steps ----------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from aiokafka.structs import TopicPartition
 
 from bridge.kafka_client import KafkaSecurity, create_consumer
 from bridge.records import (
+    RETIRED,
     EventRecord,
     RecordDecodeError,
     Topics,
@@ -377,6 +378,11 @@ class Follower:
     def _take_worker_state(self, state: WorkerState, *, replayed: bool) -> None:
         """Epoch, catalog and health take effect at once; a health change is logged with its
         cause. ``replayed``: the state was in the log before this follower caught up."""
+        if state.health == RETIRED:
+            self._retire(state)
+            return
+        if self.index.is_retired(state.worker, state.epoch):
+            return  # a state of a life retired since: nothing to serve
         previous = self._worker_states.get(state.worker)
         self._worker_states[state.worker] = state
         self._follow_epoch(state, replayed)
@@ -417,13 +423,24 @@ class Follower:
                 state.epoch,
             )
 
+    def _retire(self, state: WorkerState) -> None:
+        """The bridge retired the worker: nothing follows its cache any more, so it is not
+        served; its records of this life that are still to be read change nothing."""
+        if not self.index.retire_worker(state.worker, state.epoch):
+            return  # read before (catching up), or the worker is in a later life already
+        log.info("worker %s retired at epoch %d: dropped", state.worker, state.epoch)
+        self._drop_worker(state.worker)
+
     def _forget(self, worker: str) -> None:
-        """A tombstone on the workers topic: the worker left the fleet."""
+        """A tombstone on the workers topic: forget the worker, retired or not."""
         if not worker:
             return
-        log.info("worker %s left the fleet (tombstone on %s)", worker, self.config.topics.workers)
-        self._worker_states.pop(worker, None)
+        log.info("worker %s forgotten (tombstone on %s)", worker, self.config.topics.workers)
+        self._drop_worker(worker)
         self.index.forget_worker(worker)
+
+    def _drop_worker(self, worker: str) -> None:
+        self._worker_states.pop(worker, None)
         for key in [key for key in self._key_partitions if key[0] == worker]:
             del self._key_partitions[key]
         self._stale = None

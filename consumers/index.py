@@ -94,7 +94,8 @@ class IndexCounters(msgspec.Struct, gc=False):
     of a hash the worker already held; ``duplicates_ignored`` and ``stale_epoch_ignored`` records
     applied already or from an older epoch; ``sizeless_stores`` stores whose block size or window
     no group can have (vLLM's CPU-offloading stores carry block size 0), whose blocks are kept but
-    teach no group spec.
+    teach no group spec; ``workers_retired`` workers dropped as retired, and ``retired_ignored``
+    records of a retired worker's life read after it was retired.
     """
 
     stored: int = 0
@@ -107,6 +108,8 @@ class IndexCounters(msgspec.Struct, gc=False):
     duplicates_ignored: int = 0
     stale_epoch_ignored: int = 0
     sizeless_stores: int = 0
+    workers_retired: int = 0
+    retired_ignored: int = 0
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, gc=False):
@@ -247,13 +250,21 @@ class KVIndex:
         self._classes: list[_CatalogClass] | None = None
         self._named: _Roster | None = None
         self._counters = IndexCounters()
+        # Workers retired and not back: the first epoch that may return (older records of a
+        # retired life are still in Kafka, and must not bring the worker back).
+        self._retired: dict[str, int] = {}
 
     # ----------------------------------------------------------------------------- applying
 
     def apply(self, record: EventRecord) -> ApplyOutcome:
         """Apply one (worker, epoch, seq, group) record's events; what was applied before (a
-        replay) and older epochs change nothing."""
-        worker = self._worker(record.worker)
+        replay) and older epochs change nothing, nor do records of a retired worker's life."""
+        worker = self._workers.get(record.worker)
+        if worker is None:
+            if self.is_retired(record.worker, record.epoch):
+                self._counters.retired_ignored += 1
+                return ApplyOutcome.STALE_EPOCH
+            worker = self._worker(record.worker)
         if record.epoch < worker.epoch:
             self._counters.stale_epoch_ignored += 1
             return ApplyOutcome.STALE_EPOCH
@@ -297,6 +308,8 @@ class KVIndex:
         The bridge names a worker's new epoch on ``hmakv.workers`` before it writes any record
         of it: the previous life is over, whether or not this index has read those records.
         """
+        if worker not in self._workers and self.is_retired(worker, epoch):
+            return self._retired[worker]  # that life was retired: nothing to bring back
         state = self._worker(worker)
         if epoch > state.epoch:
             self._start_epoch(state, epoch)
@@ -323,8 +336,29 @@ class KVIndex:
         self._worker(worker).health = health
         self._named = None
 
+    def retire_worker(self, worker: str, epoch: int) -> bool:
+        """Drop a worker that left the fleet at ``epoch``; its records of that epoch or an older
+        one change nothing from now on, and a newer epoch brings it back, empty.
+
+        False, changing nothing, when that is known already (the retirement read again) or the
+        worker is in a later life (it came back, and its new records were read first).
+        """
+        current = self._workers.get(worker)
+        if self.is_retired(worker, epoch) or (current is not None and current.epoch > epoch):
+            return False
+        self.forget_worker(worker)
+        self._retired[worker] = epoch + 1
+        self._counters.workers_retired += 1
+        return True
+
+    def is_retired(self, worker: str, epoch: int) -> bool:
+        """Whether that life of the worker was retired (and the worker has not come back)."""
+        return epoch < self._retired.get(worker, 0)
+
     def forget_worker(self, worker: str) -> None:
-        """Drop a worker that left the fleet, and free its slot for the next one."""
+        """Drop a worker entirely, retired or not (a tombstone on the workers topic), and free
+        its slot for the next one."""
+        self._retired.pop(worker, None)
         state = self._workers.pop(worker, None)
         if state is None:
             return
@@ -344,6 +378,7 @@ class KVIndex:
             if slot >= self._width:
                 self._widen(slot + 1)
             worker = self._workers[name] = self._by_slot[slot] = _Worker(name, slot)
+            worker.epoch = self._retired.pop(name, 0)  # back from retirement: a later life
             self._spread(worker)
             self._everyone |= worker.bit
             self._classes = self._named = None
@@ -753,6 +788,7 @@ class KVIndex:
                     if medium.owners
                 ],
                 counters=self._counters,
+                retired=self._retired,
             )
         )
 
@@ -785,6 +821,7 @@ class KVIndex:
             for group, slot, block_hash, extra in medium.copies:
                 state.copies.setdefault((group, slot), {})[block_hash] = extra
         index._counters = saved.counters
+        index._retired = saved.retired
         return index
 
     def _unpacked(self, wire: int | bytes, moves: list[tuple[int, int]], mask: int) -> int:
@@ -1066,6 +1103,7 @@ class _Snapshot(msgspec.Struct, gc=False):
     workers: list[_WorkerSnapshot]
     media: list[_MediumSnapshot]
     counters: IndexCounters
+    retired: dict[str, int] = {}  # absent from snapshots made before workers could retire
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()

@@ -139,6 +139,11 @@ class IndexCollector(Collector):
             ),
             ("duplicate_copies", counters.duplicate_copies, "Stores of a block already held"),
             (
+                "workers_retired",
+                counters.workers_retired,
+                "Workers dropped because the bridge retired them (they left the fleet)",
+            ),
+            (
                 "sizeless_stores",
                 counters.sizeless_stores,
                 "Stores whose block size or window no group can have (vLLM's CPU-offloading "
@@ -148,11 +153,12 @@ class IndexCollector(Collector):
             yield CounterMetricFamily(f"{PREFIX}_{name}", documentation, value=value)
         ignored = CounterMetricFamily(
             f"{PREFIX}_records_ignored",
-            "Event records that changed nothing: replays and older epochs",
+            "Event records that changed nothing: replays, older epochs, retired workers' lives",
             labels=["reason"],
         )
         ignored.add_metric(["duplicate"], counters.duplicates_ignored)
         ignored.add_metric(["stale_epoch"], counters.stale_epoch_ignored)
+        ignored.add_metric(["retired"], counters.retired_ignored)
         yield ignored
 
     def _follower_families(self) -> Iterator[Metric]:

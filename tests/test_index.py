@@ -372,6 +372,56 @@ def test_a_forgotten_workers_slot_is_reused_without_its_blocks() -> None:
     assert [(s.worker, s.hit_tokens) for s in index.score([1, 2], 3 * B)] == [("new", 0)]
 
 
+def test_a_retired_worker_is_dropped_and_its_late_records_never_bring_it_back() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(0, 0, stored([1, 2], 0), epoch=1))
+    index.apply(record(0, 0, stored([1], 0), worker="stays"))
+    assert index.retire_worker("w0", 1)
+    assert [info.name for info in index.workers()] == ["stays"]
+    # Its groups' partitions lag the workers topic: records of the retired life come late.
+    assert index.apply(record(1, 0, stored([3], 0), epoch=1)) is ApplyOutcome.STALE_EPOCH
+    assert index.apply(record(9, 0, stored([3], 0), epoch=0)) is ApplyOutcome.STALE_EPOCH
+    assert index.start_epoch("w0", 1) == 2  # a state of the retired life names a later one
+    assert [(s.worker, s.hit_tokens) for s in index.score([1, 2], 3 * B)] == [("stays", B)]
+    assert not index.retire_worker("w0", 1)  # read again: changes nothing, counted once
+    counters = index.counters
+    assert (counters.workers_retired, counters.retired_ignored) == (1, 2)
+
+
+def test_a_retired_worker_comes_back_empty_in_a_later_epoch() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(4, 0, stored([1, 2], 0)))
+    index.retire_worker("w0", 0)
+    assert index.apply(record(0, 0, stored([5], 0), epoch=1)) is ApplyOutcome.APPLIED
+    [info] = index.workers()
+    assert (info.epoch, info.resident, info.last_seq) == (1, {0: {"GPU": 1}}, {0: 0})
+    assert only(index.score([1, 2], 3 * B)).hit_tokens == 0
+    # Its new life's records were read before the retirement of the old one: it stays.
+    assert not index.retire_worker("w0", 0)
+    assert only(index.score([5], 2 * B)).hit_tokens == B
+
+
+def test_a_tombstone_forgets_a_retired_worker_entirely() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(0, 0, stored([1], 0)))
+    index.retire_worker("w0", 0)
+    index.forget_worker("w0")
+    assert not index.is_retired("w0", 0)
+    assert index.apply(record(1, 0, stored([1], 0))) is ApplyOutcome.APPLIED
+
+
+def test_retirements_survive_a_snapshot_and_old_snapshots_have_none() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(0, 0, stored([1], 0), epoch=2))
+    index.retire_worker("w0", 2)
+    restored = KVIndex.restore(index.snapshot())
+    assert restored.is_retired("w0", 2) and not restored.is_retired("w0", 3)
+    assert restored.apply(record(1, 0, stored([1], 0), epoch=2)) is ApplyOutcome.STALE_EPOCH
+    saved = msgspec.msgpack.decode(index.snapshot())
+    del saved["retired"]
+    assert not KVIndex.restore(msgspec.msgpack.encode(saved)).is_retired("w0", 2)
+
+
 def test_scores_only_the_workers_asked_for() -> None:
     index = gpt_oss_like()
     index.apply(record(0, 0, stored(PROMPT[:3], 0), worker="w1"))

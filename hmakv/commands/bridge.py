@@ -280,18 +280,27 @@ def _settings(args: argparse.Namespace) -> BridgeSettings:
 
 
 def _engines(args: argparse.Namespace) -> list[EngineConfig]:
+    return _shard_of(args, _fleet(args))
+
+
+def _fleet(args: argparse.Namespace) -> list[EngineConfig]:
+    """Every engine configured, whichever shard follows it."""
     engines = parse_engine_flags(args.engine)
     if args.engines is not None:
         engines += load_engines_file(args.engines)
     if not engines and args.bind_sub is None:
         raise ConfigError("no engines: give --engine, --engines or --bind-sub")
+    return check_unique(engines)
+
+
+def _shard_of(args: argparse.Namespace, engines: list[EngineConfig]) -> list[EngineConfig]:
     shard: Shard = args.shard
     if shard.count > 1 and args.bind_sub is not None:
         raise ConfigError(
             "--shard splits the engines bridges connect to; with --bind-sub, point each engine "
             "at one bridge's endpoint instead"
         )
-    mine = shard.select(check_unique(engines))
+    mine = shard.select(engines)
     if shard.count > 1:
         log.info("shard %s: following %d of %d engines", shard, len(mine), len(engines))
     return mine
@@ -358,8 +367,8 @@ def _schedule_reload(
 
 async def _reload(service: BridgeService, args: argparse.Namespace) -> None:
     try:
-        engines = _engines(args)
-        await service.reload(engines)
+        fleet = _fleet(args)
+        await service.reload(_shard_of(args, fleet), fleet=[engine.name for engine in fleet])
     except ConfigError as error:
         log.error("SIGHUP: engines not reloaded, keeping the current ones: %s", error)
 

@@ -82,6 +82,14 @@ def step_batch(seq: int, rank: int = 0) -> KVEventBatch:
     return KVEventBatch(time.time(), events, rank)
 
 
+def publish_steps(publishers: list[ZmqEventPublisher], steps: int, first: int = 1) -> None:
+    """Steps ``first`` on, a few milliseconds apart, from publishers that connect to a bridge."""
+    for step in range(first, first + steps):
+        for publisher in publishers:
+            publisher.publish(step_batch(step))
+        time.sleep(0.005)
+
+
 class EngineThread:
     """A stand-in engine publishing through ``ZmqEventPublisher`` from one thread of its own."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import aiohttp
@@ -22,6 +21,7 @@ from bridge_harness import (
     free_port,
     metric,
     metric_reaches,
+    publish_steps,
     running_bridge,
     settings_for,
     step_batch,
@@ -69,6 +69,12 @@ class RawPublisher:
 
 def seq(number: int) -> bytes:
     return number.to_bytes(8, "big")
+
+
+def retired(log: KafkaLog) -> list[str]:
+    """The workers whose latest state says retired."""
+    latest = {state.worker: state for state in log.states}
+    return [worker for worker, state in latest.items() if state.health == "retired"]
 
 
 def wire_event(event: dict[str, object]) -> dict[str, object]:
@@ -256,13 +262,6 @@ async def test_engines_that_connect_to_the_bridge_are_told_apart_by_topic(
     assert log.records_of("pod-a")[-1].seq == 50
 
 
-def publish_steps(publishers: list[ZmqEventPublisher], steps: int) -> None:
-    for step in range(1, steps + 1):
-        for publisher in publishers:
-            publisher.publish(step_batch(step))
-        time.sleep(0.005)
-
-
 async def test_health_readiness_and_metrics_endpoints(kafka_bootstrap: str) -> None:
     engine = EngineThread("engine-a")
     port = free_port()
@@ -347,10 +346,20 @@ async def test_a_pod_past_max_workers_waits_for_a_silent_one_to_be_retired(
             await asyncio.to_thread(publish_steps, [pods["pod-c"]], 20)
             log = KafkaLog(kafka_bootstrap, settings.topics)
             await log.wait_for(lambda log: log.has_seq("pod-c", 40), "pod-c's later steps")
+            # The pod it replaced is retired, for consumers to drop: nothing follows it now.
+            await log.wait_for(lambda log: len(retired(log)) == 1, "one pod retired")
+            [gone] = retired(log)
+            assert gone in ("pod-a", "pod-b")
+            assert metric(bridge, "hmakv_bridge_workers_retired_total") == 1
+            # Should it speak again, it comes back as a new life, replacing the other silent one.
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(publish_steps, [pods[gone]], 5, 21)
+            await log.wait_for(lambda log: log.has_seq(gone, 25), f"{gone} back")
         finally:
             for publisher in pods.values():
                 publisher.shutdown()
     assert {r.worker for r in log.events} == {"pod-a", "pod-b", "pod-c"}
+    assert {r.epoch for r in log.records_of(gone) if r.seq > 20} == {1}
     # its first 20 steps were dead-lettered: it joined with them lost, cleared and degraded
     early = [r.events for r in log.records_of("pod-c") if r.seq <= 20]
     assert early and all(events == [AllBlocksCleared()] for events in early)

@@ -239,6 +239,20 @@ def test_a_new_epoch_is_announced_with_where_a_restart_would_resume_it() -> None
     assert board.due(now=4.0) == []
 
 
+def test_a_retired_worker_is_written_once_in_its_trackers_newest_epoch_then_forgotten() -> None:
+    board = WorkerBoard()
+    board.add("w", WorkerView())
+    board.acknowledged("w", 0, 5, 55.0, engine_batch=True)
+    board.due(now=1.0, flush=True)
+    assert board.retire("w", epoch=1, now=2.0) is not None  # its tracker saw a restart
+    assert board.dirty and "w" not in board.views
+    [state] = board.due(now=3.0)
+    assert (state.worker, state.health, state.epoch) == ("w", "retired", 1)
+    board.acknowledged("w", 1, -1, 60.0, engine_batch=False)  # its queued clear, acknowledged
+    assert not board.dirty and board.due(now=4.0, flush=True) == []
+    assert board.retire("w", epoch=1, now=5.0) is None  # not followed any more
+
+
 # --- logs ----------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
 from bridge.kafka_client import TopicSpec, create_consumer, ensure_topics, start_producer
-from bridge.records import EventRecord, Health, Topics, WorkerState, encode, event_key
+from bridge.records import EventRecord, Health, Retired, Topics, WorkerState, encode, event_key
 from consumers.follower import Follower, FollowerConfig
 from hmakv.kafka import unique_topic
 from producer.events import (
@@ -150,7 +150,7 @@ def cleared() -> AllBlocksCleared:
 
 def worker_state(
     worker: str,
-    health: Health,
+    health: Health | Retired,
     *,
     epoch: int = 0,
     last_seq: int = -1,

@@ -106,6 +106,43 @@ async def test_clears_catalogs_and_degraded_workers_take_effect_at_once(
         assert resident(follower, "w") == 0
 
 
+async def test_a_retired_worker_is_dropped_and_late_records_of_its_life_are_ignored(
+    kafka_bootstrap: str,
+) -> None:
+    """The bridge retires a worker that left the fleet. Its groups' partitions may be read
+    after the workers topic: what they still hold of the retired life must not bring it back.
+    Should it return, the bridge follows it as a new life, one epoch later."""
+    topics = await fresh_topics(kafka_bootstrap)
+    async with (
+        LogWriter(kafka_bootstrap, topics) as log,
+        running(Follower(follower_config(kafka_bootstrap, topics))) as follower,
+    ):
+        stats = follower.stats
+        await log.events(record("w", 0, [stored([1, 2])]), record("v", 0, [stored([1])]))
+        await wait_until(lambda: stats.events_applied == 2, "both workers")
+        await log.state(worker_state("w", "retired", last_seq=0))
+        await wait_until(lambda: stats.worker_states_applied == 1, "the retirement")
+        assert [info.name for info in follower.index.workers()] == ["v"]
+        assert follower.worker_state("w") is None
+
+        await log.events(record("w", 1, [stored([3])]))  # late, from the retired life
+        await log.state(worker_state("w", "retired", last_seq=1))  # written again: no change
+        await wait_until(lambda: events_consumed(follower) == 3, "the late record")
+        await wait_until(lambda: stats.worker_states_applied == 2, "the repeated retirement")
+        assert [info.name for info in follower.index.workers()] == ["v"]
+        counters = follower.index.counters
+        assert (counters.workers_retired, counters.retired_ignored) == (1, 1)
+
+        await log.state(worker_state("w", "live", epoch=1))
+        await log.events(record("w", 0, [stored([5])], epoch=1))
+        await wait_until(lambda: stats.events_applied == 3, "the new life")
+        assert hit_tokens(follower, "w", [5]) == 16
+        assert hit_tokens(follower, "w", [1, 2]) == 0
+        exposition = generate_latest(index_registry(follower, ScoreStats())).decode()
+        assert "hmakv_index_workers_retired_total 1.0" in exposition
+        assert 'hmakv_index_records_ignored_total{reason="retired"} 1.0' in exposition
+
+
 async def test_bad_records_are_counted_by_reason_logged_and_skipped(
     kafka_bootstrap: str, caplog: pytest.LogCaptureFixture
 ) -> None:
