@@ -36,7 +36,6 @@ import multiprocessing as mp
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,6 +67,7 @@ from bridge.kafka_client import (  # noqa: E402
 from bridge.readable import take_ready  # noqa: E402
 from bridge.records import Topics  # noqa: E402
 from hmakv.kafka import ApacheKafkaBroker, unique_topic  # noqa: E402
+from hmakv.kafka.process import free_port  # noqa: E402
 from producer.events import BlockRemoved, BlockStored, KVEventBatch, decode  # noqa: E402
 from producer.publisher import ZmqEventPublisher  # noqa: E402
 
@@ -115,15 +115,13 @@ def step_batch(step: int, engine: int) -> KVEventBatch:
 
 
 def free_ports(count: int) -> list[int]:
-    """Distinct free ports: all probes stay bound until every port is known."""
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [int(probe.getsockname()[1]) for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
+    """Distinct free ports below the ephemeral range: one that ``bind(0)`` hands out can become
+    the local end of a Kafka client's connection before the engine or bridge binds it (seen
+    with 64 engines: the bridge's health port was taken)."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return sorted(ports)
 
 
 # --- engines -------------------------------------------------------------------------------------

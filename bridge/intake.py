@@ -17,10 +17,13 @@ the loop would spin on it through every tick. A round reads every socket's ``EVE
 intake goes idle again, so a message is never slept through.
 
 A round is passes of one ``zmq_poll`` (which reads ``EVENTS``) and one message from each socket
-it found ready, the next pass polling only those, until none has more or ``round_limit`` passes
-are done. Draining each socket until it is empty would end every socket's turn with a
-``zmq.Again`` (4 us), as much as the one or two batches a socket holds at a moderate rate; asking
-each socket's ``EVENTS`` cost 2.2 us, a poll of 16 sockets 10 us.
+it found ready, the next pass polling only those, until none has more, ``round_limit`` passes
+are done or the round holds ``round_messages``: a round's handling blocks the event loop, and
+without a bound on the whole round it would grow with the fleet (a backlog on 256 sockets, 64
+passes each, is 16,384 batches, ~400 ms in which Kafka's acknowledgements wait unread).
+Draining each socket until it is empty would end every socket's turn with a ``zmq.Again``
+(4 us), as much as the one or two batches a socket holds at a moderate rate; asking each
+socket's ``EVENTS`` cost 2.2 us, a poll of 16 sockets 10 us.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ DEFAULT_TICK_S = 0.002
 # made rounds of ~400 ms in which Kafka's acknowledgements waited unread (max rate 17.0k ->
 # 18.4k batches/s with 64).
 DEFAULT_ROUND_LIMIT = 64
+# Messages a round may take over all sockets: what 16 busy engines fill with 64 passes, ~25 ms.
+DEFAULT_ROUND_MESSAGES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +70,12 @@ class Intake:
         *,
         tick: float = DEFAULT_TICK_S,
         round_limit: int = DEFAULT_ROUND_LIMIT,
+        round_messages: int = DEFAULT_ROUND_MESSAGES,
     ) -> None:
         self._wait_for_room = wait_for_room
         self._tick = tick
         self._round_limit = round_limit
+        self._round_messages = round_messages
         self._sockets: dict[_Sub, _Registration] = {}
         self._poll_items: list[tuple[_Sub, int]] = []
         self._watched: set[int] = set()  # FDs the event loop watches for the intake now
@@ -119,9 +126,12 @@ class Intake:
         """Take what every socket holds; (anything received, some socket has more)."""
         taken: dict[_Sub, list[list[bytes]]] = {}
         polled = self._poll_items
+        count = 0
         for _ in range(self._round_limit):
+            if not polled or count >= self._round_messages:
+                break
             # zmq_poll hands back the very sockets it was given
-            ready = [cast(_Sub, sock) for sock, _ in zmq.zmq_poll(polled, 0)] if polled else []
+            ready = [cast(_Sub, sock) for sock, _ in zmq.zmq_poll(polled, 0)]
             polled = []
             for sock in ready:
                 try:
@@ -130,6 +140,7 @@ class Intake:
                     continue
                 taken.setdefault(sock, []).append(message)
                 polled.append((sock, zmq.POLLIN))
+            count += len(polled)
         for sock, messages in taken.items():
             registration = self._sockets.get(sock)
             if registration is None:  # a handler removed it this round

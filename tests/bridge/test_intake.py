@@ -159,6 +159,37 @@ async def test_a_socket_with_more_than_a_round_holds_gets_the_rest_next_rounds(l
     assert max(rounds) == limit
 
 
+async def test_a_round_over_many_sockets_stops_at_its_message_budget() -> None:
+    """However many sockets hold a backlog, a round hands over about ``round_messages`` (whole
+    passes of one message per ready socket), then lets the event loop run; nothing is lost."""
+    rounds = 0
+
+    async def next_round() -> None:  # the intake asks for room before every round
+        nonlocal rounds
+        rounds += 1
+
+    intake = Intake(next_round, tick=0.001, round_limit=64, round_messages=20)
+    taken: dict[int, int] = defaultdict(int)  # round -> messages handed over in it
+    received: dict[int, list[bytes]] = defaultdict(list)
+    with pub_sub_pairs(8) as pairs:
+        await subscribed(pairs)
+        for index, (pub, sub) in enumerate(pairs):
+            for n in range(50):
+                pub.send_multipart([b"t", f"{index}:{n}".encode()])
+
+            def handler(messages: list[list[bytes]], index: int = index) -> None:
+                taken[rounds] += len(messages)
+                received[index].extend(frames[1] for frames in messages)
+
+            intake.add(sub, handler)
+        await asyncio.sleep(0.05)  # every backlog queued in its SUB socket
+        async with running(intake):
+            await until(lambda: sum(taken.values()) == 400, "every message")
+    assert max(taken.values()) == 24  # three passes over 8 sockets reach 20
+    for index in range(8):
+        assert received[index] == [f"{index}:{n}".encode() for n in range(50)]
+
+
 async def test_a_failing_handler_costs_its_own_messages_only() -> None:
     """A bug in one source's handling is logged; every socket keeps being read. (The tracker
     then sees the dropped seqs as a gap and replays them.)"""
