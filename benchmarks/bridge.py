@@ -24,7 +24,11 @@ with ``message.timestamp.type=LogAppendTime``) minus the batch's engine timestam
 batch and ("warm") over those published after the run's first ``WARMUP_S`` seconds. Loss is
 checked by reading the whole events topic back: every (worker, group, seq) must be there.
 
-    python benchmarks/bridge.py [--engines 16] [--kafka HOST:PORT] [--json PATH]
+With ``--pin REPEATS`` it runs only the latency target, the bridge and the forwarder each alone
+on the last CPU and everything else on the others, as on a machine where the engines and the
+broker do not share the bridge's core.
+
+    python benchmarks/bridge.py [--engines 16] [--kafka HOST:PORT] [--pin REPEATS] [--json PATH]
 """
 
 from __future__ import annotations
@@ -361,6 +365,7 @@ class ForwarderJob:
     bootstrap: str
     topic: str
     steps: int  # per engine: the forwarder stops once every engine's last step is acknowledged
+    cpus: frozenset[int] | None = None  # where it may run (``--pin``); None: anywhere
 
 
 def forwarder_main(job: ForwarderJob, ready: Event, result: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -368,6 +373,8 @@ def forwarder_main(job: ForwarderJob, ready: Event, result: mp.Queue) -> None:  
     decode, fan out per group, encode, and hand everything received to Kafka as soon as the
     previous chunk is acknowledged (one in flight, one ``send_batch`` per partition). No
     sequence tracking, replays, catalog, worker states or metrics, so no loss detection."""
+    if job.cpus is not None:
+        os.sched_setaffinity(0, job.cpus)
     asyncio.run(_forward(job, ready, result))
 
 
@@ -425,12 +432,14 @@ def fresh_topics(bootstrap: str) -> Topics:
     return topics
 
 
-def forwarder_run(bootstrap: str, engine_count: int, steps: int, rate: float) -> dict[str, float]:
+def forwarder_run(
+    bootstrap: str, engine_count: int, steps: int, rate: float, cpus: frozenset[int] | None = None
+) -> dict[str, float]:
     topics = fresh_topics(bootstrap)
     ctx = mp.get_context("spawn")
     with engines(engine_count, steps, rate) as (specs, go):
         ready, result = ctx.Event(), ctx.Queue()
-        job = ForwarderJob([s.port for s in specs], bootstrap, topics.events, steps)
+        job = ForwarderJob([s.port for s in specs], bootstrap, topics.events, steps, cpus)
         process = ctx.Process(target=forwarder_main, args=(job, ready, result))
         process.start()
         ready.wait(60)
@@ -459,7 +468,13 @@ class BridgeProcess:
     (e0..e15 hash 6/10 over two shards), and an operator who cares pins them the same way."""
 
     def __init__(
-        self, bootstrap: str, prefix: str, specs: list[EngineSpec], index: int = 0, shards: int = 1
+        self,
+        bootstrap: str,
+        prefix: str,
+        specs: list[EngineSpec],
+        index: int = 0,
+        shards: int = 1,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.listen = free_ports(1)[0]
         command = [sys.executable, "-m", "hmakv.cli", "--log-level", "WARNING", "bridge"]
@@ -468,7 +483,8 @@ class BridgeProcess:
         for spec in specs:
             flag = f"e{spec.index}=tcp://127.0.0.1:{spec.port},replay=tcp://127.0.0.1:"
             command += ["--engine", f"{flag}{spec.replay_port},shard={spec.index % shards}"]
-        self.process = subprocess.Popen(command)
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+        self.process = subprocess.Popen(command, preexec_fn=pin)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.listen}{path}"
@@ -511,13 +527,20 @@ class BridgeProcess:
 
 
 def bridge_run(
-    bootstrap: str, engine_count: int, steps: int, rate: float, shards: int = 1
+    bootstrap: str,
+    engine_count: int,
+    steps: int,
+    rate: float,
+    shards: int = 1,
+    cpus: frozenset[int] | None = None,
 ) -> dict[str, float]:
     """One run through ``shards`` bridge processes (one follows every engine; more split them
     with ``--shard``); CPU is theirs together, RSS the largest one's."""
     topics = fresh_topics(bootstrap)
     with engines(engine_count, steps, rate) as (specs, go):
-        bridges = [BridgeProcess(bootstrap, topics.prefix, specs, i, shards) for i in range(shards)]
+        bridges = [
+            BridgeProcess(bootstrap, topics.prefix, specs, i, shards, cpus) for i in range(shards)
+        ]
         try:
             for bridge in bridges:
                 bridge.wait_ready()
@@ -719,8 +742,21 @@ def main(argv: list[str] | None = None) -> None:
         help="bridges splitting the engines (--shard) in the last run, one per core by default "
         "(1: no such run)",
     )
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument(
+        "--pin",
+        type=int,
+        metavar="REPEATS",
+        default=0,
+        help="instead of the full run: the latency target only, the bridge (and the forwarder) "
+        "alone on the last CPU, engines, broker and reader on the others, as where engines do "
+        "not share the bridge's cores; REPEATS interleaved pairs (JSON: bridge-pinned.json)",
+    )
+    parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.pin:
+        pinned_main(args)
+        return
+    args.json = args.json or DEFAULT_JSON
     total = args.engines * args.steps
     load_before = os.getloadavg()
     rows: dict[str, dict[str, float]] = {}
@@ -771,6 +807,44 @@ def main(argv: list[str] | None = None) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.json}")
+
+
+def pinned_main(args: argparse.Namespace) -> None:
+    """The bridge and the bare forwarder at the target rate, each alone on the last CPU, the
+    rest of the run on the others (set before the broker and the engines start: they inherit
+    it); pairs interleaved, as one run's tail says little on a shared machine."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs two CPUs or more")
+    alone, others = frozenset(cpus[-1:]), frozenset(cpus[:-1])
+    os.sched_setaffinity(0, others)
+    rate = TARGET_RATE / args.engines
+    rows: dict[str, dict[str, float]] = {}
+    with kafka(args.kafka) as bootstrap:
+        for pair in range(1, args.pin + 1):
+            rows[f"forwarder, pinned, {pair}"] = forwarder_run(
+                bootstrap, args.engines, args.steps, rate, alone
+            )
+            rows[f"bridge, pinned, {pair}"] = bridge_run(
+                bootstrap, args.engines, args.steps, rate, cpus=alone
+            )
+    print(table(rows))
+    print(f"bridge and forwarder on CPU {cpus[-1]}; engines, broker and reader on {sorted(others)}")
+    p99s = {name: row["p99_warm_ms"] for name, row in rows.items()}
+    for kind in ("forwarder", "bridge"):
+        mine = sorted(p99 for name, p99 in p99s.items() if name.startswith(kind))
+        met = sum(p99 < TARGETS["p99_ms_at_fixed_rate"] for p99 in mine)
+        print(
+            f"{kind}: warm p99 at {TARGET_RATE:,}/s median {statistics.median(mine):.1f} ms, "
+            f"under 25 ms in {met} of {len(mine)}"
+        )
+    lost = sum(row["lost"] for name, row in rows.items() if name.startswith("bridge"))
+    print(f"bridge loss: {lost:.0f}")
+    path = args.json or DEFAULT_JSON.with_name("bridge-pinned.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {"benchmark": "bridge, pinned", "engines": args.engines, "rate": TARGET_RATE}
+    path.write_text(json.dumps(report | {"rows": rows}, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
