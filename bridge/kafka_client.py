@@ -238,6 +238,31 @@ async def ensure_topics(
     return _created_topic_names(response.topic_errors)
 
 
+async def topic_partitions(
+    bootstrap: str,
+    topic: str,
+    *,
+    client_id: str = "hmakv-admin",
+    security: KafkaSecurity | None = None,
+) -> set[int] | None:
+    """The topic's partitions, or None when it does not exist.
+
+    Existence is checked against the list of every topic first: a metadata request naming the
+    topic would make a broker that creates topics on demand create it (a mistyped prefix).
+    """
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, client_id=client_id, **_security_kwargs(security)
+    )
+    try:
+        await admin.start()
+        if topic not in await admin.list_topics():
+            return None
+        [described] = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    return {int(partition["partition"]) for partition in described["partitions"]}
+
+
 def _new_topic(spec: TopicSpec) -> NewTopic:
     return NewTopic(spec.name, spec.partitions, spec.replication, topic_configs=dict(spec.config))
 

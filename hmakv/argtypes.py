@@ -1,4 +1,4 @@
-"""Argument types shared by the ``hmakv`` subcommands.
+"""Argument types and options shared by the ``hmakv`` subcommands.
 
 argparse turns a ``ValueError`` from a type into "invalid <type name> value", so each type's
 ``__name__`` is the phrase a user should read there.
@@ -6,7 +6,11 @@ argparse turns a ``ValueError`` from a type into "invalid <type name> value", so
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
+
+from bridge.records import DEFAULT_TOPIC_PREFIX
 
 
 def positive_int(text: str) -> int:
@@ -50,3 +54,19 @@ non_negative_int.__name__ = "non-negative integer"
 positive_float.__name__ = "positive number"
 non_negative_float.__name__ = "non-negative number"
 host_port.__name__ = "HOST:PORT"
+
+
+def add_cluster_options(parser: argparse.ArgumentParser, topics: str) -> None:
+    """``--kafka`` (required, or its environment variable) and ``--topic-prefix``, as the
+    services that read hmakv's topics take them; ``topics`` names those the prefix makes."""
+    parser.add_argument(
+        "--kafka",
+        default=os.environ.get("HMAKV_KAFKA_BOOTSTRAP"),
+        metavar="HOST:PORT[,...]",
+        help="Kafka bootstrap servers (env HMAKV_KAFKA_BOOTSTRAP; required)",
+    )
+    parser.add_argument(
+        "--topic-prefix",
+        default=os.environ.get("HMAKV_TOPIC_PREFIX", DEFAULT_TOPIC_PREFIX),
+        help=f"topics are {topics} (env HMAKV_TOPIC_PREFIX, default {DEFAULT_TOPIC_PREFIX})",
+    )

@@ -15,12 +15,18 @@ import signal
 import socket
 
 from bridge.kafka_client import KafkaSecurity
-from bridge.records import DEFAULT_TOPIC_PREFIX, Topics
+from bridge.records import Topics
 from consumers.api import ApiLimits, HashingDefaults
 from consumers.follower import MODES, FollowerConfig
 from consumers.index import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_TIER_WEIGHTS
 from consumers.service import DEFAULT_HOST, DEFAULT_PORT, IndexService, ServiceConfig
-from hmakv.argtypes import host_port, non_negative_float, non_negative_int, positive_int
+from hmakv.argtypes import (
+    add_cluster_options,
+    host_port,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from producer.hashing import HASH_FUNCTIONS
 
 log = logging.getLogger(__name__)
@@ -88,17 +94,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _add_kafka_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--kafka",
-        default=os.environ.get("HMAKV_KAFKA_BOOTSTRAP"),
-        metavar="HOST:PORT[,...]",
-        help="Kafka bootstrap servers (env HMAKV_KAFKA_BOOTSTRAP; required)",
-    )
-    parser.add_argument(
-        "--topic-prefix",
-        default=os.environ.get("HMAKV_TOPIC_PREFIX", DEFAULT_TOPIC_PREFIX),
-        help=f"topics are PREFIX.events, .workers, .snapshots (default {DEFAULT_TOPIC_PREFIX})",
-    )
+    add_cluster_options(parser, "PREFIX.events, .workers, .snapshots")
     parser.add_argument(
         "--mode",
         choices=MODES,
