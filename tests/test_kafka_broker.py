@@ -309,3 +309,13 @@ def test_free_ports_are_bindable_and_below_the_ephemeral_range() -> None:
         assert 1024 <= port < lowest_ephemeral
         with socket.socket() as listener:
             listener.bind(("127.0.0.1", port))
+
+
+def test_free_ports_handed_out_together_are_distinct() -> None:
+    """Callers pick several ports before binding any (the demo: three per engine, and two of its
+    engines once got the same one). Two thousand picks from a span of 12,000 would repeat a port
+    about 160 times if each pick were independent."""
+    from hmakv.kafka.process import free_port
+
+    ports = [free_port() for _ in range(2000)]
+    assert len(set(ports)) == len(ports)

@@ -30,16 +30,22 @@ def free_port() -> int:
     The caller binds it later, often in another process. A port from the ephemeral range (what
     ``bind(0)`` hands out) can meanwhile become the local end of some outgoing connection, such as
     a Kafka client's, and the later bind fails; ports below that range are never handed out so.
+    Nor is a port this process handed out in the last ``_HANDED_OUT_S`` seconds: callers pick
+    several before binding any (the demo's engines once got the same one).
     """
     lowest_ephemeral = _ephemeral_port_range()[0]
     candidates = range(max(1024, lowest_ephemeral - _PORT_SPAN), lowest_ephemeral)
+    now = time.monotonic()
     for _ in range(100):
         port = _port_picker.choice(candidates)
+        if now - _handed_out.get(port, -_HANDED_OUT_S) < _HANDED_OUT_S:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:
                 probe.bind((LOOPBACK, port))
             except OSError:
                 continue
+            _handed_out[port] = now
             return port
     raise OSError(f"no free loopback port in {candidates.start}..{candidates.stop - 1}")
 
@@ -47,6 +53,8 @@ def free_port() -> int:
 # A private generator: tests that seed the global one (hypothesis does) must not repeat ports.
 _port_picker = random.Random()
 _PORT_SPAN = 12_000
+_HANDED_OUT_S = 600.0
+_handed_out: dict[int, float] = {}  # port -> when (monotonic); at most the span's ports
 
 
 def _ephemeral_port_range() -> tuple[int, int]:
