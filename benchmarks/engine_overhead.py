@@ -35,6 +35,7 @@ from pathlib import Path
 
 import zmq
 
+from hmakv.kafka.process import free_port
 from producer.engine import HybridCacheManager, ModelProfile, get_profile
 from producer.engine.runner import context_tokens
 from producer.engine.scheduler import Scheduler, StepResult, SyntheticSampler, TokenSampler
@@ -326,13 +327,6 @@ def target_verdict(row: Row) -> str:
     if low >= TARGET_MODEL_OVERHEAD:
         return "missed"
     return "inconclusive (noise: run on a quieter machine or with more --model-steps)"
-
-
-def free_port() -> int:
-    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as probe:
-        port = probe.bind_to_random_port("tcp://127.0.0.1")
-        probe.unbind(f"tcp://127.0.0.1:{port}")
-        return port
 
 
 def main(argv: Sequence[str] | None = None) -> int:

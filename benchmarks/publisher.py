@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
+from hmakv.kafka.process import free_port
 from producer.events import BlockRemoved, BlockStored, KVEventBatch
 from producer.publisher import ZmqEventPublisher
 
@@ -301,14 +302,6 @@ def measure(steps: int, burst: int, repeats: int) -> dict[str, dict[str, Any]]:
         results[design]["burst"] = max(runs[design], key=lambda run: run["batches_per_s"])
         results[design]["burst_rates"] = [run["batches_per_s"] for run in runs[design]]
     return results
-
-
-def free_port() -> int:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.PUB)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    ctx.destroy(linger=0)
-    return port
 
 
 def table(results: dict[str, dict[str, Any]], timer: dict[str, float]) -> str:
