@@ -144,6 +144,46 @@ async def test_sighup_reloads_the_engines_and_sigterm_flushes_state(
 
 
 @pytest.mark.kafka
+async def test_sighup_retires_an_engine_gone_from_the_file_not_one_moved_to_another_shard(
+    kafka_bootstrap: str, tmp_path: Path, processes: list[BridgeProcess]
+) -> None:
+    moved, gone = EngineThread("engine-a"), EngineThread("engine-b")
+    engines_file = tmp_path / "engines.toml"
+    engines_file.write_text(toml_engine(moved, shard=0) + toml_engine(gone, shard=0))
+    prefix = unique_topic("bridge")
+    args = ["--kafka", kafka_bootstrap, "--topic-prefix", prefix, "--engines", str(engines_file)]
+    args += ["--shard", "0/2", "--state-interval", "0.2", "--log-format", "json"]
+    log = KafkaLog(kafka_bootstrap, Topics(prefix))
+    with engines_running(moved, gone):
+        processes.append(BridgeProcess(args, tmp_path / "bridge.log"))
+        await moved.published_all(3)
+        await gone.published_all(3)
+        await log.wait_for(
+            lambda log: all(last_seq(log, e.name) == 3 for e in (moved, gone)), "both followed"
+        )
+        engines_file.write_text(toml_engine(moved, shard=1))  # the other bridge's now
+        processes[0].signal(signal.SIGHUP)
+
+        def retired(log: KafkaLog) -> bool:
+            state = log.state("engine-b")
+            return state is not None and state.health == "retired"
+
+        await log.wait_for(retired, "engine-b retired")
+        processes[0].signal(signal.SIGTERM)
+        assert processes[0].wait() == 0
+    await log.wait_for(lambda log: last_seq(log, "engine-a") == 3, "the final states")
+    assert [s.health for s in log.states if s.worker == "engine-a"][-1] == "live"
+    output = (tmp_path / "bridge.log").read_text()
+    assert "worker 'engine-b' retired at epoch 0: consumers drop it" in output
+    assert "engine-a' retired" not in output
+
+
+def last_seq(log: KafkaLog, worker: str) -> int | None:
+    state = log.state(worker)
+    return None if state is None else state.last_seq
+
+
+@pytest.mark.kafka
 async def test_two_sharded_bridges_split_a_fleet_and_write_every_step_once(
     kafka_bootstrap: str, tmp_path: Path, processes: list[BridgeProcess]
 ) -> None:
@@ -176,12 +216,12 @@ async def test_two_sharded_bridges_split_a_fleet_and_write_every_step_once(
     assert f"shard 0/2: following {followed} of 6 engines" in output
 
 
-def toml_engine(engine: EngineThread) -> str:
+def toml_engine(engine: EngineThread, shard: int | None = None) -> str:
     return (
         f'[[engines]]\nname = "{engine.name}"\n'
         f'endpoint = "tcp://127.0.0.1:{engine.pub_port}"\n'
         f'replay = "tcp://127.0.0.1:{engine.replay_port}"\n'
-        f'topic = "{TOPIC}"\n'
+        f'topic = "{TOPIC}"\n' + ("" if shard is None else f"shard = {shard}\n")
     )
 
 
