@@ -34,13 +34,18 @@ class WorkerBoard:
     def __init__(self, interval: float = 1.0) -> None:
         self._interval = interval
         self.views: dict[str, WorkerView] = {}
-        self._retired: list[WorkerState] = []  # written with the next states, then forgotten
+        self._last: list[WorkerState] = []  # of workers no longer followed: written once, next
 
     def add(self, worker: str, view: WorkerView) -> None:
         self.views[worker] = view
 
-    def remove(self, worker: str) -> None:
-        self.views.pop(worker, None)
+    def release(self, worker: str, now: float) -> None:
+        """This bridge stops following the worker and another may take it over: what the topic
+        does not say of it yet (its latest resume point) is written with the next states, so
+        that the next bridge resumes exactly where this one stopped."""
+        view = self.views.pop(worker, None)
+        if view is not None and (view.changed or view.progressed):
+            self._last.append(self._state(worker, view, now))
 
     def retire(self, worker: str, epoch: int, now: float) -> WorkerState | None:
         """The worker left the fleet: its last state, ``retired`` at ``epoch`` (the newest its
@@ -50,7 +55,7 @@ class WorkerBoard:
             return None
         view.epoch = max(view.epoch, epoch)
         state = msgspec.structs.replace(self._state(worker, view, now), health=RETIRED)
-        self._retired.append(state)
+        self._last.append(state)
         return state
 
     def set_health(self, worker: str, health: Health) -> None:
@@ -101,7 +106,7 @@ class WorkerBoard:
 
     def due(self, now: float, *, flush: bool = False) -> list[WorkerState]:
         """The states to write now (all pending ones when flushing), marked as written."""
-        states, self._retired = self._retired, []
+        states, self._last = self._last, []
         for worker, view in self.views.items():
             due_by_time = view.progressed and now - view.written_at >= self._interval
             if view.changed or due_by_time or (flush and view.progressed):
@@ -125,4 +130,4 @@ class WorkerBoard:
 
     @property
     def dirty(self) -> bool:
-        return bool(self._retired) or any(view.changed for view in self.views.values())
+        return bool(self._last) or any(view.changed for view in self.views.values())

@@ -234,17 +234,18 @@ class WorkerChannel:
         self._fetches.clear()
 
     def forget(self, *, retire: bool = False) -> WorkerState | None:
-        """This bridge stops following the worker: drop its board entry, handler and series.
+        """This bridge stops following the worker: its last state is written, then its board
+        entry, handler and series go.
 
         ``retire``: the worker left the fleet, and no other bridge takes it over; its state is
-        written once more, ``retired``, so that consumers drop it. That state is returned.
+        written ``retired``, so that consumers drop it. That state is returned.
         """
         retired = None
         if retire:
             retired = self._board.retire(self.worker, self.relay.tracker.epoch, time.time())
-            self._sink.state_changed()
         else:
-            self._board.remove(self.worker)
+            self._board.release(self.worker, time.time())
+        self._sink.state_changed()
         self._sink.refusal_handlers.pop(self.worker, None)
         self._metrics.forget_worker(self.worker)
         return retired

@@ -239,6 +239,19 @@ def test_a_new_epoch_is_announced_with_where_a_restart_would_resume_it() -> None
     assert board.due(now=4.0) == []
 
 
+def test_a_released_worker_has_what_is_not_written_yet_written_then_is_forgotten() -> None:
+    board = WorkerBoard(interval=10.0)
+    board.add("moved", WorkerView())
+    board.add("idle", WorkerView())
+    board.due(now=1.0)
+    board.acknowledged("moved", 0, 5, 55.0, engine_batch=True)  # not due for 10 s
+    board.release("moved", now=2.0)  # another bridge takes it over: it must resume at 5
+    board.release("idle", now=2.0)  # the topic says all there is of it
+    [state] = board.due(now=2.0)
+    assert (state.worker, state.health, state.last_seq, state.ts) == ("moved", "live", 5, 55.0)
+    assert board.due(now=20.0, flush=True) == [] and not board.views
+
+
 def test_a_retired_worker_is_written_once_in_its_trackers_newest_epoch_then_forgotten() -> None:
     board = WorkerBoard()
     board.add("w", WorkerView())
