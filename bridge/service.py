@@ -223,8 +223,9 @@ class BridgeService:
         ``fleet`` names every engine of the configuration, this bridge's or another shard's
         (None: ``engines`` is the whole fleet). A removed engine still in it has moved to another
         bridge, which resumes it from the workers topic; one that is not has left the fleet and
-        is retired. A new engine resumes from the workers topic as it is now (another bridge may
-        have followed it until a moment ago).
+        its workers are retired, as is a DP rank an engine no longer has. A new engine resumes
+        from the workers topic as it is now (another bridge may have followed it until a moment
+        ago).
         """
         check_topology(self.settings, engines)
         async with self._reloading:
@@ -239,9 +240,12 @@ class BridgeService:
             for worker in self._worker_names(name)
             if (position := self._position(worker)) is not None
         }
+        staying = {address.worker for e in engines for address in e.workers()}
         for name in changed:
-            gone = name not in wanted and (fleet is None or name not in fleet)
-            await self._remove_engine(self._engines.pop(name), retire=gone)
+            engine = self._engines.pop(name)
+            moved = name not in wanted and fleet is not None and name in fleet
+            leaving = set() if moved else {a.worker for a in engine.workers()} - staying
+            await self._remove_engine(engine, retire=leaving)
         if any(name not in self._engines for name in wanted):
             await self._reread_resume_points()
         for name, engine in wanted.items():
@@ -377,7 +381,8 @@ class BridgeService:
             source = ConnectedSource(channel, engine.topic, self._deps())
             self._sources[address.worker] = (source, asyncio.create_task(source.run()))
 
-    async def _remove_engine(self, engine: EngineConfig, *, retire: bool) -> None:
+    async def _remove_engine(self, engine: EngineConfig, *, retire: Collection[str]) -> None:
+        """Stop following the engine's workers; those in ``retire`` have left the fleet."""
         self._by_topic.pop(engine.topic.encode(), None)
         for address in engine.workers():
             entry = self._sources.pop(address.worker, None)
@@ -387,7 +392,7 @@ class BridgeService:
             channel = self._channels.pop(address.worker, None)
             if channel is not None:
                 await channel.close()
-                self._forget(channel, retire=retire)
+                self._forget(channel, retire=address.worker in retire)
 
     def _forget(self, channel: WorkerChannel, *, retire: bool) -> None:
         retired = channel.forget(retire=retire)

@@ -9,6 +9,7 @@ from the workers topic as it is at that moment.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from bridge_harness import (
     engines_running,
     expected_records,
     free_port,
+    free_port_pair,
     metric,
     publish_steps,
     running_bridge,
@@ -27,6 +29,7 @@ from bridge_harness import (
     shape,
 )
 
+from bridge.config import EngineConfig
 from producer.publisher import ZmqEventPublisher
 
 pytestmark = pytest.mark.kafka
@@ -106,6 +109,31 @@ async def test_an_engine_moved_to_another_bridge_is_resumed_there_not_retired(
     assert shape(log.applied("engine-a")[0][1:]) == shape(
         [r for r in expected_records("engine-a", 0, engine) if r.group_idx == 0]
     )
+
+
+async def test_a_dp_rank_an_engine_no_longer_has_is_retired_and_the_others_go_on(
+    kafka_bootstrap: str,
+) -> None:
+    base, replay_base = free_port_pair(), free_port_pair()
+    ranks = [EngineThread("dp", pub_port=base, replay_port=replay_base, rank=r) for r in (0, 1)]
+    both = EngineConfig(
+        "dp", f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{replay_base}", dp_ranks=(0, 1)
+    )
+    settings = settings_for(kafka_bootstrap)
+    log = KafkaLog(kafka_bootstrap, settings.topics)
+    with engines_running(*ranks):
+        async with running_bridge(settings, [both]) as bridge:
+            for rank in ranks:
+                await rank.published_all(3)
+            await log.wait_for(
+                lambda log: all(state_is(w, "live", last_seq=3)(log) for w in ("dp-dp0", "dp-dp1")),
+                "both ranks",
+            )
+            await bridge.reload([dataclasses.replace(both, dp_ranks=(0,))])
+            await ranks[0].published_all(2)
+            await log.wait_for(state_is("dp-dp1", "retired"), "rank 1 retired")
+            await log.wait_for(state_is("dp-dp0", "live", last_seq=5), "rank 0 going on")
+            assert metric(bridge, "hmakv_bridge_workers_retired_total") == 1
 
 
 async def test_a_pod_resumes_its_epoch_after_a_bridge_restart(kafka_bootstrap: str) -> None:
