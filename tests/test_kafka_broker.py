@@ -317,5 +317,6 @@ def test_free_ports_handed_out_together_are_distinct() -> None:
     about 160 times if each pick were independent."""
     from hmakv.kafka.process import free_port
 
-    ports = [free_port() for _ in range(2000)]
+    base = free_port(consecutive=2)  # DP rank 1 binds base + 1: handed out too
+    ports = [base, base + 1, *(free_port() for _ in range(2000))]
     assert len(set(ports)) == len(ports)

@@ -24,8 +24,9 @@ _PR_SET_PDEATHSIG = 1
 _PROC = Path("/proc")
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now, below the kernel's ephemeral range.
+def free_port(consecutive: int = 1) -> int:
+    """A loopback port nobody listens on right now, below the kernel's ephemeral range; with
+    ``consecutive``, the first of that many (DP ranks bind the base port plus their rank).
 
     The caller binds it later, often in another process. A port from the ephemeral range (what
     ``bind(0)`` hands out) can meanwhile become the local end of some outgoing connection, such as
@@ -34,20 +35,26 @@ def free_port() -> int:
     several before binding any (the demo's engines once got the same one).
     """
     lowest_ephemeral = _ephemeral_port_range()[0]
-    candidates = range(max(1024, lowest_ephemeral - _PORT_SPAN), lowest_ephemeral)
+    candidates = range(max(1024, lowest_ephemeral - _PORT_SPAN), lowest_ephemeral - consecutive + 1)
     now = time.monotonic()
     for _ in range(100):
-        port = _port_picker.choice(candidates)
-        if now - _handed_out.get(port, -_HANDED_OUT_S) < _HANDED_OUT_S:
+        first = _port_picker.choice(candidates)
+        ports = range(first, first + consecutive)
+        if any(now - _handed_out.get(port, -_HANDED_OUT_S) < _HANDED_OUT_S for port in ports):
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((LOOPBACK, port))
-            except OSError:
-                continue
-            _handed_out[port] = now
-            return port
+        if all(_bindable(port) for port in ports):
+            _handed_out.update(dict.fromkeys(ports, now))
+            return first
     raise OSError(f"no free loopback port in {candidates.start}..{candidates.stop - 1}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((LOOPBACK, port))
+        except OSError:
+            return False
+        return True
 
 
 # A private generator: tests that seed the global one (hypothesis does) must not repeat ports.

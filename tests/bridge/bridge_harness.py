@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
-import socket
 import threading
 import time
 from collections import defaultdict
@@ -44,14 +43,7 @@ TOPIC = "kv-events"
 
 def free_port_pair() -> int:
     """A free port whose successor is free too: DP rank 1 binds the base port + 1, as in vLLM."""
-    while True:
-        port = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
+    return free_port(consecutive=2)
 
 
 def shape(records: list[EventRecord]) -> list[tuple[int, int, int, list[KVEvent]]]:
