@@ -14,8 +14,10 @@ retried batch twice, which consumers already tolerate (they skip seqs they have 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS_WITH_PASSWORD = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 _ENV_PREFIX = "HMAKV_KAFKA_"
+_METADATA_WAIT_S = 5.0  # for a just-created topic's partitions to have leaders
 # Broker errors that start() can raise before it asks for a producer id: never a reason to drop
 # idempotence, since a plain producer would fail the same way.
 _AUTHENTICATION_ERRORS = (
@@ -239,28 +242,28 @@ async def ensure_topics(
 
 
 async def topic_partitions(
-    bootstrap: str,
-    topic: str,
-    *,
-    client_id: str = "hmakv-admin",
-    security: KafkaSecurity | None = None,
-) -> set[int] | None:
-    """The topic's partitions, or None when it does not exist.
+    bootstrap: str, topic: str, security: KafkaSecurity | None = None
+) -> set[int]:
+    """The topic's partitions; empty while it does not exist or has no leaders yet.
 
-    Existence is checked against the list of every topic first: a metadata request naming the
-    topic would make a broker that creates topics on demand create it (a mistyped prefix).
+    A started aiokafka consumer holds metadata only for the topics it reads, so this one first
+    asks whether the topic exists (a request that never auto-creates it: asking for a named
+    topic's metadata would make a broker that creates topics on demand create a mistyped one),
+    then subscribes to it to have its partitions fetched, and stops before reading anything.
     """
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=bootstrap, client_id=client_id, **_security_kwargs(security)
-    )
+    consumer = create_consumer(bootstrap, client_id="hmakv-metadata", security=security)
+    await consumer.start()
     try:
-        await admin.start()
-        if topic not in await admin.list_topics():
-            return None
-        [described] = await admin.describe_topics([topic])
+        if topic not in await consumer.topics():
+            return set()
+        consumer.subscribe([topic])
+        deadline = time.monotonic() + _METADATA_WAIT_S
+        while not consumer.partitions_for_topic(topic) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        partitions: set[int] | None = consumer.partitions_for_topic(topic)
     finally:
-        await admin.close()
-    return {int(partition["partition"]) for partition in described["partitions"]}
+        await consumer.stop()
+    return set(partitions or ())
 
 
 def _new_topic(spec: TopicSpec) -> NewTopic:

@@ -36,7 +36,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
-from bridge.kafka_client import KafkaSecurity, create_consumer
+from bridge.kafka_client import KafkaSecurity, create_consumer, topic_partitions
 from bridge.records import (
     RETIRED,
     EventRecord,
@@ -57,7 +57,6 @@ from consumers.snapshots import (
     SnapshotError,
     SnapshotStore,
     pack,
-    topic_partitions,
     unpack,
 )
 

@@ -40,6 +40,7 @@ from bridge.kafka_client import (
     create_consumer,
     ensure_topics,
     start_producer,
+    topic_partitions,
 )
 from bridge.records import WorkerState
 
@@ -54,7 +55,6 @@ _TOPIC_SEGMENT_BYTES = 64 * 1024 * 1024
 _FIRST_SCAN_WINDOW = 64
 _FETCH_TIMEOUT_MS = 1000
 _EMPTY_FETCHES_AT_END = 3
-_METADATA_WAIT_S = 5.0
 
 
 class SnapshotError(RuntimeError):
@@ -282,28 +282,6 @@ class KafkaSnapshotStore:
                 raise SnapshotError(f"snapshot topic {self.topic!r} has no partitions")
             self._partition = int(DefaultPartitioner()(self._key, partitions, partitions))
         return self._partition
-
-
-async def topic_partitions(bootstrap: str, topic: str, security: KafkaSecurity | None) -> set[int]:
-    """The topic's partitions; empty while it does not exist or has no leaders yet.
-
-    A started aiokafka consumer holds metadata only for the topics it reads, so this one first
-    asks whether the topic exists (a request that never auto-creates it), then subscribes to it
-    to have its partitions fetched, and stops before reading anything.
-    """
-    consumer = create_consumer(bootstrap, client_id="hmakv-metadata", security=security)
-    await consumer.start()
-    try:
-        if topic not in await consumer.topics():
-            return set()
-        consumer.subscribe([topic])
-        deadline = time.monotonic() + _METADATA_WAIT_S
-        while not consumer.partitions_for_topic(topic) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        partitions: set[int] | None = consumer.partitions_for_topic(topic)
-    finally:
-        await consumer.stop()
-    return set(partitions or ())
 
 
 async def _newest_manifest(

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> int:
     topic = Topics(args.topic_prefix).workers
     security = KafkaSecurity.from_env()
-    partitions = await topic_partitions(args.kafka, topic, security=security)
+    partitions = await topic_partitions(args.kafka, topic, security)
     if not partitions:
         raise WorkersError(f"no topic {topic} (no bridge has run with this prefix)")
     states = await read_worker_states(args.kafka, topic, partitions, security=security)
