@@ -266,6 +266,28 @@ async def topic_partitions(
     return set(partitions or ())
 
 
+async def wait_for_partitions(
+    bootstrap: str,
+    topic: str,
+    security: KafkaSecurity | None = None,
+    *,
+    retry_s: float = 2.0,
+    timeout_s: float | None = None,
+) -> set[int]:
+    """The topic's partitions once it exists: readers start before or beside the bridge, which
+    creates the topics. Says once that it waits; ``TimeoutError`` after ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    waited = False
+    while not (partitions := await topic_partitions(bootstrap, topic, security)):
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"topic {topic} has no partitions after {timeout_s:.0f} s")
+        if not waited:
+            log.warning("topic %s does not exist yet; waiting for the bridge to create it", topic)
+            waited = True
+        await asyncio.sleep(retry_s)
+    return partitions
+
+
 def _new_topic(spec: TopicSpec) -> NewTopic:
     return NewTopic(spec.name, spec.partitions, spec.replication, topic_configs=dict(spec.config))
 

@@ -36,7 +36,12 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
-from bridge.kafka_client import KafkaSecurity, create_consumer, topic_partitions
+from bridge.kafka_client import (
+    KafkaSecurity,
+    create_consumer,
+    topic_partitions,
+    wait_for_partitions,
+)
 from bridge.records import (
     RETIRED,
     EventRecord,
@@ -244,7 +249,9 @@ class Follower:
 
     async def _assign_all(self, consumer: Any, topic: str) -> None:
         """Every partition of the topic, each at its saved position or at the beginning."""
-        partitions = await _wait_for_partitions(self.config, topic)
+        partitions = await wait_for_partitions(
+            self.config.bootstrap, topic, self.config.security, retry_s=_TOPIC_WAIT_S
+        )
         tps = [TopicPartition(topic, partition) for partition in sorted(partitions)]
         consumer.assign(tps)
         await self._position_assigned(consumer, tps)
@@ -728,19 +735,6 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         await self._follower._on_assigned(assigned)
-
-
-async def _wait_for_partitions(config: FollowerConfig, topic: str) -> set[int]:
-    """The topic's partitions, waiting (and saying so once) while the topic does not exist."""
-    waited = False
-    while True:
-        partitions = await topic_partitions(config.bootstrap, topic, config.security)
-        if partitions:
-            return partitions
-        if not waited:
-            log.warning("topic %s does not exist yet; waiting for the bridge to create it", topic)
-            waited = True
-        await asyncio.sleep(_TOPIC_WAIT_S)
 
 
 def _names(

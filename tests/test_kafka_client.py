@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from collections import defaultdict
@@ -18,6 +19,8 @@ from bridge.kafka_client import (
     create_consumer,
     ensure_topics,
     start_producer,
+    topic_partitions,
+    wait_for_partitions,
 )
 from hmakv.kafka import unique_topic
 
@@ -158,6 +161,29 @@ async def test_ensure_topics_creates_a_compacted_topic_once(kafka_bootstrap: str
     assert (await _topic_config(kafka_bootstrap, plain.name))["cleanup.policy"] == "delete"
     assert await _partition_count(kafka_bootstrap, compacted.name) == 4
     assert await _partition_count(kafka_bootstrap, plain.name) == 2
+
+
+@pytest.mark.kafka
+@pytest.mark.apache
+async def test_waiting_for_a_topic_times_out_without_creating_it_and_ends_once_it_exists(
+    kafka_bootstrap: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Readers start before the bridge has made its topics: they wait, and never make one."""
+    missing = unique_topic("missing")
+    with caplog.at_level(logging.WARNING, logger="bridge.kafka_client"):
+        with pytest.raises(TimeoutError, match=missing):
+            await wait_for_partitions(kafka_bootstrap, missing, retry_s=0.1, timeout_s=0.5)
+    assert await topic_partitions(kafka_bootstrap, missing) == set()  # Kafka 4 made none
+    assert sum("does not exist yet" in r.getMessage() for r in caplog.records) == 1
+
+    later = TopicSpec(unique_topic("later"), partitions=3)
+    waiting = asyncio.create_task(
+        wait_for_partitions(kafka_bootstrap, later.name, retry_s=0.1, timeout_s=30)
+    )
+    await asyncio.sleep(0.5)
+    assert not waiting.done()
+    await ensure_topics(kafka_bootstrap, [later])
+    assert await waiting == {0, 1, 2}
 
 
 @pytest.mark.kafka

@@ -23,8 +23,7 @@ from typing import Any
 
 from aiokafka.structs import TopicPartition
 
-from bridge.kafka_client import KafkaSecurity, create_consumer
-from hmakv.demo.topics import topic_partitions
+from bridge.kafka_client import KafkaSecurity, create_consumer, wait_for_partitions
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +55,15 @@ class RecordLog:
 
     async def start(self) -> None:
         """Assign every partition of the topic from its beginning (the bridge created it)."""
-        partitions = await topic_partitions(self._bootstrap, self._topic, _START_TIMEOUT_S)
-        tps = [TopicPartition(self._topic, partition) for partition in partitions]
+        security = KafkaSecurity.from_env()
+        partitions = await wait_for_partitions(
+            self._bootstrap, self._topic, security, retry_s=0.2, timeout_s=_START_TIMEOUT_S
+        )
+        tps = [TopicPartition(self._topic, partition) for partition in sorted(partitions)]
         consumer = create_consumer(
             self._bootstrap,
             client_id="hmakv-demo-probe",
-            security=KafkaSecurity.from_env(),
+            security=security,
             fetch_max_wait_ms=_FETCH_TIMEOUT_MS,
         )
         await consumer.start()
