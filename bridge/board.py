@@ -3,7 +3,9 @@
 Sources say what they know (health, groups, DP rank, endpoint); the sink says how far Kafka has
 acknowledged each worker's log. A ``WorkerState`` is written when either changes, the resume point
 at most once per ``interval`` (a restarted bridge replays a little more, which consumers skip),
-health, epoch and groups at once: they change rarely and matter to whoever reads the topic.
+health, epoch and groups at once: they change rarely and matter to whoever reads the topic. A
+state Kafka refuses is written again: the worker's current one, or the refused one of a worker
+no longer followed.
 """
 
 from __future__ import annotations
@@ -90,28 +92,41 @@ class WorkerBoard:
         return view is not None and epoch > view.epoch
 
     def acknowledged(
-        self, worker: str, epoch: int, seq: int, ts: float, *, engine_batch: bool
+        self, worker: str, epoch: int, seq: int, ts: float, *, resumable: bool
     ) -> None:
         """Kafka holds the worker's records up to this position (a record of an older epoch,
-        acknowledged late, moves nothing: the newer epoch is where a restart resumes)."""
+        acknowledged late, moves nothing: the newer epoch is where a restart resumes). Only a
+        ``resumable`` one (the engine's batch at that seq) moves the resume point."""
         view = self.views.get(worker)
         if view is None or epoch < view.epoch:
             return
         if epoch != view.epoch:
             view.epoch, view.last_seq, view.last_ts = epoch, -1, 0.0
             view.changed = True
-        if engine_batch and seq > view.last_seq:
+        if resumable and seq > view.last_seq:
             view.last_seq, view.last_ts = seq, ts
             view.progressed = True
 
     def due(self, now: float, *, flush: bool = False) -> list[WorkerState]:
-        """The states to write now (all pending ones when flushing), marked as written."""
+        """The states to write now (all pending ones when flushing), marked as written: the
+        sink hands back those Kafka then refuses (``refused``)."""
         states, self._last = self._last, []
         for worker, view in self.views.items():
             due_by_time = view.progressed and now - view.written_at >= self._interval
             if view.changed or due_by_time or (flush and view.progressed):
                 states.append(self._state(worker, view, now))
         return states
+
+    def refused(self, state: WorkerState) -> None:
+        """Kafka refused this state for good (``due`` marked it written): write it again. A
+        worker still followed has its current view written, newer than the refused state anyway;
+        one no longer followed (released or retired) has the refused state put back in line,
+        unless a newer one of it waits there already."""
+        view = self.views.get(state.worker)
+        if view is not None:
+            view.changed = True
+        elif all(pending.worker != state.worker for pending in self._last):
+            self._last.append(state)
 
     @staticmethod
     def _state(worker: str, view: WorkerView, now: float) -> WorkerState:

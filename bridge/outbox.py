@@ -22,8 +22,10 @@ class Outgoing(NamedTuple):
     """The records of one forwarded batch or clear of one worker (possibly none: an empty batch),
     or of one dead letter (``worker`` None).
 
-    ``engine_batch`` is True for a real engine batch: only those move the worker's resume point,
-    whose ``ts`` a restarted bridge compares with the replayed batch at that seq.
+    ``engine_batch`` is True for the engine's records (a batch or a snapshot), False for a clear
+    the bridge made or a dead letter. ``resumable``: the engine published this batch at this
+    seq, so it may be the worker's resume point, whose ``ts`` a restarted bridge compares with
+    the batch replayed at that seq (a snapshot's ts is not that batch's).
     """
 
     worker: str | None
@@ -32,3 +34,4 @@ class Outgoing(NamedTuple):
     ts: float
     records: list[KafkaRecord]
     engine_batch: bool
+    resumable: bool = True

@@ -15,7 +15,16 @@ from bridge.catalog import GroupCatalog
 from bridge.fanout import clear_records, fan_out, split_to_fit
 from bridge.outbox import KafkaRecord, Outgoing
 from bridge.records import EventRecord, Topics
-from bridge.tracking import CancelFetch, Clear, Fetch, Forward, SequenceTracker, Step
+from bridge.tracking import (
+    CancelFetch,
+    Clear,
+    Fetch,
+    Forward,
+    HealthChanged,
+    SequenceTracker,
+    Step,
+)
+from producer.events import AllBlocksCleared
 
 
 class Handled:
@@ -53,26 +62,41 @@ class WorkerRelay:
         self._headers = records.EventHeaders(worker)
 
     def handle(self, steps: list[Step], now: float) -> Handled:
-        """Everything the shell must do for these steps, in order."""
+        """Everything the shell must do for these steps, in order.
+
+        A batch that cannot be written is lost after the tracker made these steps: its answer
+        goes in the batch's place, and the health the steps end with no longer holds, so the
+        shell is told the tracker's health once more, last.
+        """
         handled = Handled()
-        for step in steps:
-            self._handle(step, handled, now)
+        lost = False
+        for index, step in enumerate(steps):
+            if type(step) is Forward:
+                handled.events.append(step)
+                if not self._forward(step, handled):
+                    lost = True
+                    cleared_later = _clears_after(steps, index)
+                    limit = self._max_record_bytes
+                    for answer in self.tracker.on_unwritable(step.seq, limit, cleared_later):
+                        self._handle(answer, handled, now)
+            else:
+                self._handle(step, handled, now)
+        if lost:
+            handled.events = [e for e in handled.events if type(e) is not HealthChanged]
+            handled.events.append(HealthChanged(self.tracker.health))
         return handled
 
     def _handle(self, step: Step, handled: Handled, now: float) -> None:
         handled.events.append(step)
-        if type(step) is Forward:
-            for answer in self._forward(step, handled):
-                self._handle(answer, handled, now)
-        elif isinstance(step, Clear):
+        if isinstance(step, Clear):
             handled.outgoing.append(self._clear(step, now))
         elif isinstance(step, Fetch):
             handled.fetches.append(step)
         elif isinstance(step, CancelFetch):
             handled.cancelled.append(step.fetch_id)
 
-    def _forward(self, step: Forward, handled: Handled) -> list[Step]:
-        """Queue the batch's records; the tracker's answer instead if one cannot be written."""
+    def _forward(self, step: Forward, handled: Handled) -> bool:
+        """Queue the batch's records; False if one of its events is too large to write."""
         batch = step.batch
         handled.catalog_changed |= self.catalog.learn(batch.events)
         encoded = []
@@ -83,12 +107,12 @@ class WorkerRelay:
                 continue
             parts = split_to_fit(record, self._max_record_bytes)
             if parts is None:
-                return self.tracker.on_unwritable(step.seq, self._max_record_bytes)
+                return False
             encoded += [self._encode(part) for part in parts]
         handled.outgoing.append(
-            Outgoing(self.worker, step.epoch, step.seq, batch.ts, encoded, True)
+            Outgoing(self.worker, step.epoch, step.seq, batch.ts, encoded, True, not step.snapshot)
         )
-        return []
+        return True
 
     def _clear(self, step: Clear, now: float) -> Outgoing:
         groups = self.catalog.groups
@@ -101,3 +125,11 @@ class WorkerRelay:
         if key is None:
             key = self._keys[record.group_idx] = records.event_key(self.worker, record.group_idx)
         return KafkaRecord(self._topic, key, records.encode(record), self._headers.of(record))
+
+
+def _clears_after(steps: list[Step], index: int) -> bool:
+    """Whether a batch forwarded after ``steps[index]`` holds the engine's own clear."""
+    return any(
+        type(step) is Forward and any(type(e) is AllBlocksCleared for e in step.batch.events)
+        for step in steps[index + 1 :]
+    )

@@ -395,7 +395,11 @@ class BridgeService:
                 self._forget(channel, retire=address.worker in retire)
 
     def _forget(self, channel: WorkerChannel, *, retire: bool) -> None:
+        """Stop following the channel's worker (retired, or released to another bridge). What
+        the sink keeps of it goes; ``_known`` keeps its state, to resume it should it return."""
+        assert self._sink is not None
         retired = channel.forget(retire=retire)
+        self._sink.forget(channel.worker)
         if retired is not None:
             self._known[channel.worker] = retired
             self.metrics.workers_retired.inc()

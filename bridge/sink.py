@@ -6,7 +6,12 @@ per partition (``create_batch``/``send_batch``: no per-record future or lock, an
 default partitioner, so keys land where any client would put them) and hands it to the
 producer; the settle loop waits for each chunk's acknowledgement, in order, and only then moves
 the workers' resume points. Up to ``in_flight`` chunks are unacknowledged at once. A worker's
-new epoch is written to the workers topic, and acknowledged, before any record of it.
+new epoch is written to the workers topic, and acknowledged, before any record of it: a refused
+announcement is sent again (after ``retry_backoff``, on a new producer) until Kafka takes it. A
+worker state Kafka refuses otherwise is written again, the worker's current one, or the refused
+one of a worker no longer followed. The sink idles (``wait_idle``, ``close``) only once nothing
+is queued, taken and not yet handed over (a new key's partitions may take a while), in flight,
+or due on the board.
 
 Every key's order holds through failures. An idempotent producer (Apache Kafka) retries
 retriable errors itself, in order, so several chunks may be in flight, and an error that still
@@ -19,14 +24,17 @@ large for the broker, authorization) drops the item and tells its worker, whose 
 new epoch, since later records of the worker may already be in Kafka. Nothing later of the
 refused epoch is acknowledged, so the worker's resume point never passes the refused batch. A
 refused clear is logged and counted but starts no further epoch, or a partition that refuses
-everything would start one per clear. After any final refusal the producer is replaced once what
-is in flight has settled (``replace_producer``): aiokafka's idempotent producer numbers a batch
-when it takes it for sending, also one it then expires (no partition leader for the request
-timeout), and from then on the broker refuses every later batch of that partition as out of
-order; a new producer numbers afresh.
+everything would start one per clear. After any final refusal nothing more is handed to that
+producer: right before each hand-over (a chunk or a state write, with no await between the check
+and the hand-over) it is replaced once what is in flight has settled (``replace_producer``):
+aiokafka's idempotent producer numbers a batch when it takes it for sending, also one it then
+expires (no partition leader for the request timeout), and from then on the broker refuses every
+later batch of that partition as out of order; a new producer numbers afresh.
 
 The queue bound applies to live intake; what a replay or a clear produces is always accepted,
-which the number of concurrent replays bounds in turn.
+which the number of concurrent replays bounds in turn. A worker that leaves the bridge (retired,
+or released to another) is forgotten (``forget``): the partitions of its keys are kept only while
+it is followed, or llm-d's pod churn would grow them for good.
 """
 
 from __future__ import annotations
@@ -65,7 +73,8 @@ class _Chunk:
     """Records handed to the producer together, and accounted for together, in order."""
 
     items: list[Outgoing]
-    records: list[KafkaRecord]
+    records: list[KafkaRecord]  # the items' records, then one per state
+    states: list[WorkerState]  # written again should Kafka refuse them
     targets: dict[Target, list[int]]  # record indexes by partition
     started: float
     deliveries: list[tuple[Target, asyncio.Future[object]]] = field(default_factory=list)
@@ -115,8 +124,9 @@ class KafkaSink:
         self._settled.set()
         self._unsettled = 0  # chunks handed to the producer, not yet accounted for
         self._taken = 0  # items out of the queue, in a chunk not yet accounted for
+        self._preparing = False  # a chunk taken (items, states due) and not yet handed over
         self._refused_epoch: dict[str, int] = {}  # per worker: its newest epoch with a refusal
-        self._partitions: dict[tuple[str, bytes], int] = {}
+        self._partitions: dict[tuple[str, bytes], int] = {}  # of the workers followed
         self._partitioner = DefaultPartitioner()
         self._tasks: list[asyncio.Task[None]] = []
         self._last_retry_log = float("-inf")
@@ -171,6 +181,20 @@ class KafkaSink:
         self._idle.clear()
         self._work.set()
 
+    def forget(self, worker: str) -> None:
+        """The worker left this bridge (retired, or released to another): drop what the sink
+        keeps of it, or llm-d's pods, coming and going under new names, grow it for good. Its
+        records still queued look their partition up again (and do not keep it)."""
+        self._refused_epoch.pop(worker, None)
+        name = worker.encode()
+        for kept in [kept for kept in self._partitions if self._key_worker(*kept) == name]:
+            del self._partitions[kept]
+
+    def _key_worker(self, topic: str, key: bytes) -> bytes:
+        """Whose a kept key is: the workers topic's is the worker's name, the events topic's
+        ``<worker>/<group>``."""
+        return key if topic == self._topics.workers else key.rpartition(b"/")[0]
+
     # --- the delivery loops ----------------------------------------------------------------------
 
     def start(self) -> list[asyncio.Task[None]]:
@@ -197,7 +221,7 @@ class KafkaSink:
         left = len(self._queue) + self._taken
         if not left and not failed:
             try:
-                await asyncio.wait_for(self._write_states_now(flush=True), timeout)
+                await asyncio.wait_for(self._write_states_until_taken(flush=True), timeout)
             except TimeoutError:
                 log.error("worker states not written within %.1f s of shutdown", timeout)
         return left
@@ -210,25 +234,36 @@ class KafkaSink:
             # A slot first, then the chunk: what arrives while all slots wait for Kafka joins
             # this chunk instead of making small ones.
             await self._slots.acquire()
-            if self._producer_refused and self._replace_producer is not None:
-                await self._renew_producer(self._replace_producer)
             await self._let_chunk_grow()
             self._work.clear()
             if self._queue and self._opens_epoch(self._queue[0]):
                 await self._announce_epoch(self._queue[0])
-            items = self._take()
-            self._taken += len(items)
-            chunk = await self._prepare(items, flush_states=False)
-            if chunk is None:
-                self._slots.release()
-            else:
-                self._unsettled += 1
-                self._settled.clear()
-                await self._submit(chunk, list(chunk.targets))
-                self._flights.put_nowait(chunk)
+            await self._hand_over_next()
             if self._queue or self._board.dirty:
                 self._work.set()
             self._note_idle()
+
+    async def _hand_over_next(self) -> None:
+        """Take the next chunk (its slot is held) and hand it to the producer; the slot back if
+        there is nothing to send.
+
+        From the take until the hand-over the chunk is neither queued nor in flight (a new key's
+        partitions may take a while): ``_preparing`` keeps ``close`` from taking that for idle.
+        """
+        self._preparing = True
+        items = self._take()
+        self._taken += len(items)
+        chunk = await self._prepare(items, flush_states=False)
+        if chunk is None:
+            self._preparing = False
+            self._slots.release()
+            return
+        await self._renew_if_refused()  # no await from here to the hand-over
+        self._unsettled += 1
+        self._settled.clear()
+        self._preparing = False
+        await self._submit(chunk, list(chunk.targets))
+        self._flights.put_nowait(chunk)
 
     def _opens_epoch(self, item: Outgoing) -> bool:
         return self._board.opens_epoch(item.worker, item.epoch)
@@ -240,7 +275,16 @@ class KafkaSink:
         assert first.worker is not None
         await self._settled.wait()  # what came before is accounted for, the resume point too
         self._board.begin_epoch(first.worker, first.epoch, new_life=first.seq < 0)
-        await self._write_states_now(flush=False)
+        await self._write_states_until_taken(flush=False)
+
+    async def _renew_if_refused(self) -> None:
+        """Replace the producer if it saw a final refusal; called right before each hand-over,
+        with no await between its last check and the hand-over, so that a refusal settled
+        meanwhile (while a chunk grew, an epoch was announced, partitions were looked up) is
+        never followed by another batch on that producer, which the broker would refuse as out
+        of order."""
+        while self._producer_refused and self._replace_producer is not None:
+            await self._renew_producer(self._replace_producer)
 
     async def _renew_producer(self, replace: ProducerReplacer) -> None:
         """A new producer in place of one that saw a refusal, once nothing is in flight on it."""
@@ -276,15 +320,35 @@ class KafkaSink:
             self._slots.release()
             self._note_idle()
 
-    async def _write_states_now(self, *, flush: bool) -> None:
-        """Write the worker states due (every pending one with ``flush``) and wait for Kafka."""
+    async def _write_states_until_taken(self, *, flush: bool) -> None:
+        """Write the worker states due until Kafka takes them all: a new epoch must be in the
+        workers topic before any record of it, and at shutdown every state must be. A refusal
+        is retried, as a send is, on a new producer (the board writes the refused states again).
+        """
+        while refused := await self._write_states_now(flush=flush):
+            self._note_retry(*next(iter(refused.items())))
+            await asyncio.sleep(self._retry_backoff)
+
+    async def _write_states_now(self, *, flush: bool) -> dict[Target, BaseException]:
+        """Write the worker states due (every pending one with ``flush``) and wait for Kafka;
+        what it refused, by partition."""
         chunk = await self._prepare([], flush_states=flush)
-        if chunk is not None:
-            await self._submit(chunk, list(chunk.targets))
-            self._settle(chunk, await self._complete(chunk))
+        if chunk is None:
+            return {}
+        await self._renew_if_refused()  # no await from here to the hand-over
+        await self._submit(chunk, list(chunk.targets))
+        self._settle(chunk, await self._complete(chunk))
+        return chunk.refused
 
     def _note_idle(self) -> None:
-        if not self._queue and self._unsettled == 0 and not self._board.dirty:
+        """Idle: nothing queued, being handed over or in flight, and no state due."""
+        if (
+            not self._queue
+            and not self._preparing
+            and self._taken == 0
+            and self._unsettled == 0
+            and not self._board.dirty
+        ):
             self._idle.set()
 
     def _take(self) -> list[Outgoing]:
@@ -313,18 +377,22 @@ class KafkaSink:
     async def _prepare(self, items: list[Outgoing], *, flush_states: bool) -> _Chunk | None:
         """The items' records and the worker states due, grouped by partition; None if none."""
         states = self._board.due(time.time(), flush=flush_states)
-        chunk_records = [record for item in items for record in item.records]
-        chunk_records += [self._state_record(state) for state in states]
-        if not chunk_records and not items:
+        if not states and not items:
             return None
+        owned = [(item.worker, item.records) for item in items]
+        owned += [(state.worker, [self._state_record(state)]) for state in states]
+        chunk_records: list[KafkaRecord] = []
         targets: dict[Target, list[int]] = defaultdict(list)
         known = self._partitions
-        for index, record in enumerate(chunk_records):
-            partition = known.get((record.topic, record.key))
-            if partition is None:
-                partition = await self._partition(record.topic, record.key)
-            targets[(record.topic, partition)].append(index)
-        return _Chunk(items, chunk_records, dict(targets), time.monotonic())
+        for worker, worker_records in owned:
+            for record in worker_records:
+                partition = known.get((record.topic, record.key))
+                if partition is None:
+                    keep = worker is not None and worker in self._board.views
+                    partition = await self._partition(record.topic, record.key, keep=keep)
+                targets[(record.topic, partition)].append(len(chunk_records))
+                chunk_records.append(record)
+        return _Chunk(items, chunk_records, states, dict(targets), time.monotonic())
 
     def _state_record(self, state: WorkerState) -> KafkaRecord:
         return KafkaRecord(self._topics.workers, state.key(), records.encode(state), [])
@@ -404,9 +472,10 @@ class KafkaSink:
             each.close()  # nothing else may join it, and a closed batch does not linger
         return builders
 
-    async def _partition(self, topic: str, key: bytes) -> int:
-        """A new key's partition, where aiokafka's default partitioner puts it; kept per key of
-        the events and workers topics (a dead letter's key is whatever arrived: not kept).
+    async def _partition(self, topic: str, key: bytes, *, keep: bool) -> int:
+        """A new key's partition, where aiokafka's default partitioner puts it; kept (``keep``)
+        for the keys of workers followed, until the sink forgets the worker (a dead letter's key
+        is whatever arrived: not kept).
 
         Kafka's metadata may be out of reach (an outage, a leader election): the chunk waits,
         as a send would, rather than its items being lost.
@@ -419,7 +488,7 @@ class KafkaSink:
                 await asyncio.sleep(self._retry_backoff)
                 continue
             partition = int(self._partitioner(key, partitions, partitions))
-            if topic != self._topics.deadletter:
+            if keep:
                 self._partitions[(topic, key)] = partition
             return partition
 
@@ -460,14 +529,29 @@ class KafkaSink:
             if item.epoch <= self._refused_epoch.get(item.worker, -1):
                 continue  # after a refused batch of its epoch: not a point to resume from
             self._board.acknowledged(
-                item.worker, item.epoch, item.seq, item.ts, engine_batch=item.engine_batch
+                item.worker,
+                item.epoch,
+                item.seq,
+                item.ts,
+                resumable=item.engine_batch and item.resumable,
             )
             if item.engine_batch:
                 self._metrics.end_to_end_age.observe(max(0.0, now - item.ts))
                 last_seqs[item.worker] = item.seq
         for worker, seq in last_seqs.items():
             self._metrics.worker_last_seq.labels(worker).set(seq)
+        self._rewrite_refused_states(chunk, refused)
         self._count_produced(chunk.records, refused)
+
+    def _rewrite_refused_states(self, chunk: _Chunk, refused: set[int]) -> None:
+        """Have the board write the chunk's refused states again (it marked them written when
+        the chunk took them, and a lost ``retired`` or ``degraded`` would never be): with the
+        next chunk, or within the state interval, so that a partition refusing everything is
+        not retried in a busy loop."""
+        first = len(chunk.records) - len(chunk.states)
+        for index, state in enumerate(chunk.states, first):
+            if index in refused:
+                self._board.refused(state)
 
     def _refuse(self, item: Outgoing) -> None:
         worker = item.worker

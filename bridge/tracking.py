@@ -57,11 +57,13 @@ class FetchKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Forward:
-    """Forward this engine batch to Kafka as (epoch, seq)."""
+    """Forward this engine batch to Kafka as (epoch, seq); ``snapshot``: the engine's state
+    after seq, not the batch it published at seq (whose ts a restarted bridge checks)."""
 
     epoch: int
     seq: int
     batch: KVEventBatch
+    snapshot: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +224,11 @@ class SequenceTracker:
         )
         self._snapshot_offered: bool | None = None
         self._repairing: tuple[int, int] | None = None
+        # The seq of the clear a refusal placed, while nothing of its epoch follows it: an idle
+        # engine's snapshot is at that very seq (its last), and is the view to rebuild.
+        self._refusal_clear_seq: int | None = None
+        # A (re)connect while a fetch ran: replay once it ends, for what the reconnect missed.
+        self._catch_up_pending = False
         self._fetch_ids = itertools.count(1)
         self._reported_health: Health = self.health
 
@@ -248,11 +255,16 @@ class SequenceTracker:
         """The live stream (re)connected: what it missed meanwhile, an idle engine never shows,
         so replay from the next seq (from 0 for an engine never seen)."""
         steps: list[Step] = []
-        if self._fetch is None and self._can_fetch:
-            self._begin_replay(steps)
-            assert self._fetch is not None
-            self._fetch.catch_up_from = self.next_seq
+        if self._fetch is not None:
+            self._catch_up_pending = True  # the running fetch may have been served before
+        elif self._can_fetch:
+            self._catch_up(steps)
         return self._finish(steps)
+
+    def _catch_up(self, steps: list[Step]) -> None:
+        self._begin_replay(steps)
+        assert self._fetch is not None
+        self._fetch.catch_up_from = self.next_seq
 
     def on_live(self, seq: int, batch: KVEventBatch) -> list[Step]:
         steps: list[Step] = []
@@ -322,6 +334,7 @@ class SequenceTracker:
             self._count_catch_up(fetch, steps)
             self._close_repair(FetchKind.REPLAY, steps)
             self._drain(steps, known_end=fetch.known_end, router_answers=True)
+        self._catch_up_if_pending(steps)
         return self._finish(steps)
 
     def on_fetch_failed(self, fetch_id: int, cause: str) -> list[Step]:
@@ -334,7 +347,12 @@ class SequenceTracker:
         if fetch.kind is FetchKind.SNAPSHOT:
             self._snapshot_offered = False
         self._drain(steps, known_end=0, router_answers=False, cause=f"replay failed: {cause}")
+        self._catch_up_if_pending(steps)
         return self._finish(steps)
+
+    def _catch_up_if_pending(self, steps: list[Step]) -> None:
+        if self._catch_up_pending and self._fetch is None and self._can_fetch:
+            self._catch_up(steps)
 
     def on_delivery_failed(self, epoch: int, seq: int) -> list[Step]:
         """Kafka refused a forwarded batch for good: what this epoch holds is not to be trusted.
@@ -350,20 +368,26 @@ class SequenceTracker:
         cause = f"Kafka refused seq {seq} of epoch {epoch}"
         steps.append(EpochStarted(self.epoch, cause))
         steps.append(Clear(self.epoch, self.next_seq - 1, cause))
+        self._refusal_clear_seq = self.next_seq - 1
         self.degraded = True
-        if self._fetch is None and self._may_snapshot():
+        running = self._fetch
+        if self._may_snapshot() and (running is None or running.kind is FetchKind.REPLAY):
+            # A running replay would only bring batches onto the cleared view: a snapshot,
+            # then what the replay and live hold beyond it, rebuilds it.
             self._begin_fetch(FetchKind.SNAPSHOT, self.next_seq, steps)
         return self._finish(steps)
 
-    def on_unwritable(self, seq: int, limit: int) -> list[Step]:
-        """A batch just forwarded holds an event too large for any Kafka record: it is lost.
+    def on_unwritable(self, seq: int, limit: int, cleared_later: bool) -> list[Step]:
+        """A batch forwarded holds an event too large for any Kafka record: it is lost.
 
         Nothing after it has been written yet, so a clear in its place keeps the log in order.
-        No snapshot is asked for: it could well hold such an event too.
+        ``cleared_later``: a batch forwarded after it (in the same answer) holds the engine's
+        own clear, which makes the view complete again. No snapshot is asked for: it
+        could well hold such an event too.
         """
         cause = f"an event of seq {seq} exceeds the Kafka record limit of {limit} bytes"
         steps: list[Step] = [GapUnrecoverable(seq, seq + 1, cause), Clear(self.epoch, seq, cause)]
-        self.degraded = True
+        self.degraded = self.degraded or not cleared_later
         return self._finish(steps)
 
     # --- live ------------------------------------------------------------------------------------
@@ -371,10 +395,12 @@ class SequenceTracker:
     def _restart_cause(self, seq: int, batch: KVEventBatch) -> str | None:
         if self.live_high is not None and seq <= self.live_high:
             return f"the live sequence went backwards ({self.live_high} -> {seq})"
+        replayed_ts = self._ahead_ts.get(seq)
+        if replayed_ts == batch.ts:  # a replay brought this very batch first
+            return None
         if seq == 0 and self.next_seq > 0 and _opens_with_clear(batch):
             return "seq 0 opened with AllBlocksCleared"
-        replayed_ts = self._ahead_ts.get(seq)
-        if replayed_ts is not None and replayed_ts != batch.ts:
+        if replayed_ts is not None:
             return f"live seq {seq} is not the batch replayed at that seq"
         return None
 
@@ -486,6 +512,7 @@ class SequenceTracker:
     ) -> None:
         if self._fetch is not None:
             steps.append(CancelFetch(self._fetch.fetch_id))
+        self._catch_up_pending = False  # what this fetch brings reaches the engine's head
         known_end = -1 if self.live_high is None else self.live_high + 1
         self._fetch = _ActiveFetch(next(self._fetch_ids), kind, known_end, verify)
         steps.append(Fetch(self._fetch.fetch_id, kind, start_seq))
@@ -515,18 +542,29 @@ class SequenceTracker:
 
     def _end_snapshot(self, fetch: _ActiveFetch, steps: list[Step]) -> None:
         snapshot = _merge_snapshot(fetch.snapshot)
-        if snapshot is None or snapshot[0] < self.next_seq:
+        if snapshot is None or snapshot[0] < self._snapshot_floor():
             # Replay again: the ring may hold more than the span that made us ask.
             self._snapshot_offered = False
             self._drain(steps, known_end=self.next_seq, router_answers=True)
             return
         self._snapshot_offered = True
+        self._refusal_clear_seq = None  # its seq is taken now
         seq, batch = snapshot
-        self._forward(seq, batch, steps)
+        self._forward(seq, batch, steps, snapshot=True)
         self._last_forward = None  # the snapshot's ts is not that of the batch at its seq
         self.degraded = False
         self._close_repair(FetchKind.SNAPSHOT, steps)
         self._drain(steps, known_end=self.next_seq, router_answers=True)
+
+    def _snapshot_floor(self) -> int:
+        """The lowest seq a snapshot may have: one past what was forwarded, or the seq of a
+        refusal's clear that nothing followed (consumers apply the snapshot after that clear:
+        both open with ``AllBlocksCleared``, and a record at a seq already applied is taken
+        from the event after those applied)."""
+        refusal = self._refusal_clear_seq
+        if refusal is not None and refusal == self.next_seq - 1:
+            return refusal
+        return self.next_seq
 
     def _replied_from_another_life(self, fetch: _ActiveFetch) -> bool:
         """A reply that ends below a held batch published before the request cannot come from
@@ -549,8 +587,10 @@ class SequenceTracker:
 
     # --- forwarding, restarts, health ------------------------------------------------------------
 
-    def _forward(self, seq: int, batch: KVEventBatch, steps: list[Step]) -> None:
-        steps.append(Forward(self.epoch, seq, batch))
+    def _forward(
+        self, seq: int, batch: KVEventBatch, steps: list[Step], *, snapshot: bool = False
+    ) -> None:
+        steps.append(Forward(self.epoch, seq, batch, snapshot))
         self.next_seq = seq + 1
         self._last_forward = (seq, batch.ts)
         if self.degraded and any(isinstance(e, AllBlocksCleared) for e in batch.events):
@@ -573,6 +613,7 @@ class SequenceTracker:
         self._last_forward = None
         self._snapshot_offered = None
         self._repairing = None
+        self._refusal_clear_seq = None
 
     def _finish(self, steps: list[Step]) -> list[Step]:
         health = self.health

@@ -170,9 +170,11 @@ async def test_waiting_for_a_topic_times_out_without_creating_it_and_ends_once_i
 ) -> None:
     """Readers start before the bridge has made its topics: they wait, and never make one."""
     missing = unique_topic("missing")
-    with caplog.at_level(logging.WARNING, logger="bridge.kafka_client"):
-        with pytest.raises(TimeoutError, match=missing):
-            await wait_for_partitions(kafka_bootstrap, missing, retry_s=0.1, timeout_s=0.5)
+    with (
+        caplog.at_level(logging.WARNING, logger="bridge.kafka_client"),
+        pytest.raises(TimeoutError, match=missing),
+    ):
+        await wait_for_partitions(kafka_bootstrap, missing, retry_s=0.1, timeout_s=0.5)
     assert await topic_partitions(kafka_bootstrap, missing) == set()  # Kafka 4 made none
     assert sum("does not exist yet" in r.getMessage() for r in caplog.records) == 1
 

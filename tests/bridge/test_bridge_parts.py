@@ -31,9 +31,19 @@ from bridge.frames import (
     split_reply,
 )
 from bridge.logs import JsonFormatter, RateLimitedLog
+from bridge.outbox import Outgoing
 from bridge.records import EventRecord, Topics
 from bridge.relay import WorkerRelay
-from bridge.tracking import Clear, Forward, GapUnrecoverable, HealthChanged, SequenceTracker
+from bridge.tracking import (
+    Clear,
+    Fetch,
+    Forward,
+    GapUnrecoverable,
+    HealthChanged,
+    SequenceTracker,
+    Step,
+)
+from consumers.index import KVIndex
 from producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch, encode
 from producer.publisher import END_SEQ
 
@@ -203,29 +213,29 @@ def test_the_board_writes_changes_at_once_and_resume_points_per_interval() -> No
     board = WorkerBoard(interval=10.0)
     board.add("w", WorkerView(groups={0: GroupSpec("full_attention", 16)}))
     assert [s.last_seq for s in board.due(now=100.0)] == [-1]  # new: written at once
-    board.acknowledged("w", 0, 5, 55.0, engine_batch=True)
+    board.acknowledged("w", 0, 5, 55.0, resumable=True)
     assert board.due(now=101.0) == []  # only the resume point moved: wait for the interval
     [state] = board.due(now=110.0)
     assert (state.epoch, state.last_seq, state.ts) == (0, 5, 55.0)
-    board.acknowledged("w", 0, 6, 56.0, engine_batch=False)  # a clear: no resume point
-    board.acknowledged("w", 0, 7, 57.0, engine_batch=True)
+    board.acknowledged("w", 0, 6, 56.0, resumable=False)  # a clear: no resume point
+    board.acknowledged("w", 0, 7, 57.0, resumable=True)
     assert [s.last_seq for s in board.due(now=111.0, flush=True)] == [7]
     board.set_health("w", "degraded")
     [state] = board.due(now=112.0)
     assert state.health == "degraded"
-    board.acknowledged("w", 1, -1, 60.0, engine_batch=False)  # a new epoch's clear
+    board.acknowledged("w", 1, -1, 60.0, resumable=False)  # a new epoch's clear
     [state] = board.due(now=113.0)
     assert (state.epoch, state.last_seq) == (1, -1)
-    board.acknowledged("w", 0, 8, 58.0, engine_batch=True)  # the old epoch, acknowledged late
+    board.acknowledged("w", 0, 8, 58.0, resumable=True)  # the old epoch, acknowledged late
     assert [(s.epoch, s.last_seq) for s in board.due(now=200.0, flush=True)] == []
-    board.acknowledged("gone", 0, 1, 1.0, engine_batch=True)  # removed workers are ignored
+    board.acknowledged("gone", 0, 1, 1.0, resumable=True)  # removed workers are ignored
     assert board.due(now=200.0, flush=True) == []
 
 
 def test_a_new_epoch_is_announced_with_where_a_restart_would_resume_it() -> None:
     board = WorkerBoard()
     board.add("w", WorkerView())
-    board.acknowledged("w", 0, 5, 55.0, engine_batch=True)
+    board.acknowledged("w", 0, 5, 55.0, resumable=True)
     board.due(now=1.0, flush=True)
     assert board.opens_epoch("w", 1) and not board.opens_epoch("w", 0)
     assert not board.opens_epoch(None, 1) and not board.opens_epoch("gone", 1)
@@ -244,7 +254,7 @@ def test_a_released_worker_has_what_is_not_written_yet_written_then_is_forgotten
     board.add("moved", WorkerView())
     board.add("idle", WorkerView())
     board.due(now=1.0)
-    board.acknowledged("moved", 0, 5, 55.0, engine_batch=True)  # not due for 10 s
+    board.acknowledged("moved", 0, 5, 55.0, resumable=True)  # not due for 10 s
     board.release("moved", now=2.0)  # another bridge takes it over: it must resume at 5
     board.release("idle", now=2.0)  # the topic says all there is of it
     [state] = board.due(now=2.0)
@@ -255,13 +265,13 @@ def test_a_released_worker_has_what_is_not_written_yet_written_then_is_forgotten
 def test_a_retired_worker_is_written_once_in_its_trackers_newest_epoch_then_forgotten() -> None:
     board = WorkerBoard()
     board.add("w", WorkerView())
-    board.acknowledged("w", 0, 5, 55.0, engine_batch=True)
+    board.acknowledged("w", 0, 5, 55.0, resumable=True)
     board.due(now=1.0, flush=True)
     assert board.retire("w", epoch=1, now=2.0) is not None  # its tracker saw a restart
     assert board.dirty and "w" not in board.views
     [state] = board.due(now=3.0)
     assert (state.worker, state.health, state.epoch) == ("w", "retired", 1)
-    board.acknowledged("w", 1, -1, 60.0, engine_batch=False)  # its queued clear, acknowledged
+    board.acknowledged("w", 1, -1, 60.0, resumable=False)  # its queued clear, acknowledged
     assert not board.dirty and board.due(now=4.0, flush=True) == []
     assert board.retire("w", epoch=1, now=5.0) is None  # not followed any more
 
@@ -361,3 +371,87 @@ def test_a_batch_with_an_event_too_large_for_kafka_is_lost_and_clears_the_worker
     [outgoing] = handled.outgoing
     assert (outgoing.seq, outgoing.engine_batch) == (1, False)
     assert worker.tracker.health == "degraded"
+
+
+def fetch_of(steps: list[Step] | list[Fetch]) -> Fetch:
+    [fetch] = [s for s in steps if isinstance(s, Fetch)]
+    return fetch
+
+
+HUGE = BlockStored([9], None, [1] * 500, 16, None, "GPU", None)  # over 300 bytes alone
+
+
+def replaying_relay(max_record_bytes: int) -> tuple[WorkerRelay, Fetch]:
+    """A relay whose tracker forwarded seq 0 and replays seq 1, holding what comes live."""
+    worker = relay(max_record_bytes)
+    worker.tracker = SequenceTracker(can_fetch=True)
+    worker.handle(worker.tracker.on_live(0, batch_at(0)), 0.0)
+    replay = fetch_of(worker.handle(worker.tracker.on_live(2, batch_at(2)), 0.0).fetches)
+    return worker, replay
+
+
+def reply(worker: WorkerRelay, replay: Fetch) -> None:
+    for seq in range(3):
+        worker.handle(worker.tracker.on_fetched(replay.fetch_id, seq, batch_at(seq)), 0.0)
+
+
+def batch_at(seq: int) -> KVEventBatch:
+    return KVEventBatch(float(seq), [], 0)
+
+
+def test_a_batch_lost_after_a_replay_leaves_the_worker_reported_degraded() -> None:
+    """The tracker ends the replay's answer with "live" before the relay finds a held batch
+    unwritable: the shell must be told the health that holds after it, last."""
+    worker, replay = replaying_relay(max_record_bytes=300)
+    worker.handle(worker.tracker.on_live(3, KVEventBatch(3.0, [HUGE], 0)), 0.0)
+    reply(worker, replay)
+    handled = worker.handle(worker.tracker.on_fetch_end(replay.fetch_id), 0.0)
+    health = [e.health for e in handled.events if isinstance(e, HealthChanged)]
+    assert health == ["degraded"]
+    assert worker.tracker.health == "degraded"
+    assert [(o.seq, o.engine_batch) for o in handled.outgoing] == [(3, False)]
+
+
+def test_an_engine_clear_after_a_lost_batch_in_the_same_answer_makes_the_worker_whole() -> None:
+    worker, replay = replaying_relay(max_record_bytes=300)
+    worker.handle(worker.tracker.on_live(3, KVEventBatch(3.0, [HUGE], 0)), 0.0)
+    worker.handle(worker.tracker.on_live(4, KVEventBatch(4.0, [AllBlocksCleared()], 0)), 0.0)
+    reply(worker, replay)
+    handled = worker.handle(worker.tracker.on_fetch_end(replay.fetch_id), 0.0)
+    assert [e.health for e in handled.events if isinstance(e, HealthChanged)] == ["live"]
+    assert worker.tracker.health == "live"
+    assert [(o.seq, o.engine_batch) for o in handled.outgoing] == [(3, False), (4, True)]
+    later = worker.handle(worker.tracker.on_live(5, KVEventBatch(5.0, [], 0)), 0.0)
+    assert [e for e in later.events if isinstance(e, HealthChanged)] == []
+
+
+def test_a_snapshot_after_a_refusals_clear_at_its_seq_rebuilds_the_index() -> None:
+    """An idle engine's snapshot comes at the seq of the refusal's clear; consumers take the
+    record at a seq they applied from the first event not applied, past the snapshot's own
+    clear. Its position is no resume point: a restart checks a resumed seq's ts against the
+    engine's batch at that seq, and the snapshot's ts is another."""
+    worker = relay()
+    worker.tracker = SequenceTracker(can_fetch=True)
+    index = KVIndex()
+    out: list[Outgoing] = []
+
+    def run(steps: list[Step]) -> list[Step]:
+        out.extend(worker.handle(steps, 5.0).outgoing)
+        return steps
+
+    run(worker.tracker.on_live(0, KVEventBatch(0.0, [store(0), store(1)], 0)))
+    run(worker.tracker.on_live(1, KVEventBatch(1.0, [], 0)))
+    snapshot = fetch_of(run(worker.tracker.on_delivery_failed(0, 1)))
+    stored = [store(0), store(1)]
+    snapshot_batch = KVEventBatch(9.0, [AllBlocksCleared(), *stored], 0)
+    run(worker.tracker.on_fetched(snapshot.fetch_id, 1, snapshot_batch))
+    run(worker.tracker.on_fetch_end(snapshot.fetch_id))
+    for item in out:
+        for record in item.records:
+            index.apply(records.decode_event_record(record.value))
+    assert [(o.epoch, o.seq, o.engine_batch, o.resumable) for o in out[2:]] == [
+        (1, 1, False, True),
+        (1, 1, True, False),
+    ]
+    [held] = index.workers()
+    assert (held.epoch, held.resident) == (1, {0: {"GPU": 1}, 1: {"GPU": 1}})

@@ -11,6 +11,7 @@ it was handed. Everything else is the real sink, board and metrics, and aiokafka
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aiokafka.errors import NotLeaderForPartitionError
 from aiokafka.producer.message_accumulator import BatchBuilder
@@ -19,7 +20,7 @@ from aiokafka.record.memory_records import MemoryRecords
 from bridge.board import WorkerBoard, WorkerView
 from bridge.metrics import BridgeMetrics
 from bridge.outbox import KafkaRecord, Outgoing
-from bridge.records import Topics, decode_worker_state
+from bridge.records import DeadLetter, Topics, decode_worker_state, event_key
 from bridge.sink import KafkaSink
 
 TOPICS = Topics("t")
@@ -48,6 +49,11 @@ class ScriptedProducer:
         else:
             outcome.set_exception(failure)
         return outcome
+
+
+def values_of(batch: BatchBuilder) -> list[bytes]:
+    built = MemoryRecords(bytes(batch._build())).next_batch()
+    return [bytes(record.value or b"") for record in built or ()]
 
 
 def item(seq: int) -> Outgoing:
@@ -103,8 +109,7 @@ class SlowProducer(ScriptedProducer):
         self.log: list[tuple[str, list[bytes]]] = []  # (event, values): "sent", then "acked"
 
     async def send_batch(self, batch: BatchBuilder, topic: str, *, partition: int) -> object:
-        built = MemoryRecords(bytes(batch._build())).next_batch()
-        values = [bytes(record.value or b"") for record in built or ()]
+        values = values_of(batch)
         self.log.append((f"sent {topic}", values))
         acknowledged: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -153,3 +158,243 @@ async def test_a_new_epoch_is_in_the_workers_topic_before_any_record_of_it() -> 
     assert announced < first_of_epoch_1
     view = board.views["w"]
     assert (view.epoch, view.last_seq) == (1, 2)
+
+
+class SlowMetadataProducer(SlowProducer):
+    """As ``SlowProducer``; the dead-letter topic's partitions take 100 ms to look up (aiokafka's
+    first look-up of a topic is a metadata round trip)."""
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        if topic == TOPICS.deadletter:
+            await asyncio.sleep(0.1)
+        return {0}
+
+
+async def test_close_delivers_a_chunk_taken_while_it_waits_for_partitions() -> None:
+    """A chunk taken from the queue is neither queued nor in flight while its new key's
+    partitions are looked up; were the sink idle once the chunk before it settled, close would
+    stop the loops right then and count the chunk as left undelivered."""
+    producer = SlowMetadataProducer()
+    board = WorkerBoard()
+    board.add("w", WorkerView())
+    sink = KafkaSink(producer, TOPICS, board, BridgeMetrics(), max_queued=100, in_flight=2)  # type: ignore[arg-type]
+    sink.start()
+    sink.put(item(0))
+    await asyncio.sleep(0.005)  # the first chunk handed over, acknowledged at 20 ms
+    assert sink.put_dead_letter(DeadLetter("x", "frame_count", "d", [b"a"], 0.0))
+    await asyncio.sleep(0.005)  # the second taken, waiting for the dead-letter topic's partitions
+    assert await asyncio.wait_for(sink.close(5.0), 10) == 0
+    assert f"sent {TOPICS.deadletter}" in [event for event, _ in producer.log]
+
+
+class StatesProducer(ScriptedProducer):
+    """Fails the n-th record batch of the workers topic for each n in ``refused`` (for good: with
+    two chunks in flight, an idempotent producer's error is final, e.g. one expired without a
+    partition leader) and takes the rest at once; keeps, in order, what each batch held and
+    whether Kafka took it."""
+
+    def __init__(self, refused: set[int], log: list[tuple[str, list[bytes]]]) -> None:
+        super().__init__({})
+        self.refused = refused
+        self.workers_batches = 0
+        self.log = log  # ("took <topic>" or "refused <topic>", values)
+
+    async def send_batch(self, batch: BatchBuilder, topic: str, *, partition: int) -> object:
+        outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fails = topic == TOPICS.workers and self.workers_batches in self.refused
+        self.workers_batches += topic == TOPICS.workers
+        self.log.append((f"{'refused' if fails else 'took'} {topic}", values_of(batch)))
+        if fails:
+            outcome.set_exception(NotLeaderForPartitionError())
+        else:
+            outcome.set_result(None)
+        return outcome
+
+    def states_taken(self) -> list[tuple[int, str]]:
+        """(epoch, health) of each state Kafka took, in order."""
+        return [
+            (state.epoch, state.health)
+            for event, values in self.log
+            if event == f"took {TOPICS.workers}"
+            for state in map(decode_worker_state, values)
+        ]
+
+
+def states_sink(producer: ScriptedProducer, **options: object) -> tuple[WorkerBoard, KafkaSink]:
+    board = WorkerBoard()
+    board.add("w", WorkerView())
+    sink = KafkaSink(
+        producer,  # type: ignore[arg-type]
+        TOPICS,
+        board,
+        BridgeMetrics(),
+        max_queued=100,
+        in_flight=2,
+        state_interval=0.05,
+        retry_backoff=0.01,
+        **options,  # type: ignore[arg-type]
+    )
+    return board, sink
+
+
+async def test_a_snapshots_position_is_no_resume_point() -> None:
+    """A restarted bridge checks its resume point against the engine's batch at that seq: a
+    snapshot's timestamp is its own, so an engine that stays idle after one resumes from the
+    last batch before it (the relay marks a snapshot not ``resumable``)."""
+    producer = StatesProducer(set(), [])
+    _, sink = states_sink(producer)
+    sink.start()
+    sink.put(item(5))
+    sink.put(item(8)._replace(ts=99.0, resumable=False))  # the engine's snapshot at seq 8
+    await asyncio.wait_for(sink.close(5.0), 10)
+    [*_, last] = [
+        decode_worker_state(value)
+        for event, values in producer.log
+        if event == f"took {TOPICS.workers}"
+        for value in values
+    ]
+    assert (last.last_seq, last.ts) == (5, 5.0)
+
+
+async def test_a_refused_retired_state_is_written_again() -> None:
+    """The board marks a state written when a chunk takes it: were a refused one not handed
+    back, consumers would never learn that the worker left and would serve its cache on."""
+    producer = StatesProducer({1}, [])  # the worker's first state is taken, the retired refused
+    board, sink = states_sink(producer)
+    sink.start()
+    sink.state_changed()
+    await asyncio.sleep(0.1)
+    board.retire("w", 0, time.time())
+    sink.state_changed()
+    await asyncio.sleep(0.2)
+    await asyncio.wait_for(sink.close(5.0), 10)
+    assert producer.states_taken() == [(0, "live"), (0, "retired")]
+
+
+async def test_a_refused_health_is_written_again() -> None:
+    """A ``degraded`` worker that Kafka never shows as such is served as complete."""
+    producer = StatesProducer({1}, [])
+    board, sink = states_sink(producer)
+    sink.start()
+    sink.state_changed()
+    await asyncio.sleep(0.1)
+    board.set_health("w", "degraded")
+    sink.state_changed()
+    await asyncio.sleep(0.2)
+    await asyncio.wait_for(sink.close(5.0), 10)
+    assert producer.states_taken()[-1] == (0, "degraded")
+
+
+async def test_a_refused_new_epoch_is_written_again_before_any_record_of_it() -> None:
+    """A refused announcement is sent again, on a new producer (the old one numbered the refused
+    batch), until Kafka takes it; records of the epoch handed over before that would resume the
+    older epoch after a restart, whose records consumers then ignore."""
+    log: list[tuple[str, list[bytes]]] = []
+    producers = [StatesProducer({1}, log)]  # the worker's first state taken, then epoch 1 refused
+
+    async def replace(old: object) -> StatesProducer:
+        producers.append(StatesProducer(set(), log))
+        return producers[-1]
+
+    board, sink = states_sink(producers[0], replace_producer=replace)
+    sink.start()
+
+    def put(epoch: int, seq: int) -> None:
+        record = KafkaRecord(TOPICS.events, b"w/0", f"{epoch}/{seq}".encode(), [])
+        sink.put(Outgoing("w", epoch, seq, 1.0, [record], seq >= 0))
+
+    put(0, 0)
+    await asyncio.sleep(0.05)
+    put(1, -1)  # the clear that opens the engine's next life
+    put(1, 0)
+    await asyncio.wait_for(sink.close(5.0), 10)
+    announced = next(
+        i
+        for i, (event, values) in enumerate(log)
+        if event == f"took {TOPICS.workers}" and decode_worker_state(values[0]).epoch == 1
+    )
+    first_of_epoch_1 = next(
+        i for i, (_, values) in enumerate(log) if any(v.startswith(b"1/") for v in values)
+    )
+    assert announced < first_of_epoch_1
+    assert len(producers) == 2 and producers[0].workers_batches == 2  # the retry on the new one
+    assert (board.views["w"].epoch, board.views["w"].last_seq) == (1, 0)
+
+
+class NamedProducer(ScriptedProducer):
+    """Refuses its first record batch 20 ms after the hand-over (``refuse_first``: expired, say)
+    and acknowledges the others after 20 ms; logs each hand-over with its own name."""
+
+    def __init__(self, name: str, refuse_first: bool, log: list[str]) -> None:
+        super().__init__({})
+        self.name, self.refuse_first, self.log = name, refuse_first, log
+
+    async def send_batch(self, batch: BatchBuilder, topic: str, *, partition: int) -> object:
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[None] = loop.create_future()
+        if self.refuse_first and not self.sent:
+            loop.call_later(0.02, outcome.set_exception, NotLeaderForPartitionError())
+        else:
+            loop.call_later(0.02, outcome.set_result, None)
+        self.sent.append((topic, batch.record_count()))
+        self.log.append(f"{self.name} {topic}")
+        return outcome
+
+
+async def test_nothing_is_handed_to_a_producer_after_its_refusal() -> None:
+    """aiokafka's idempotent producer numbered the refused batch, so the broker refuses every
+    later batch of the partition on it as out of order. A refusal that settles while the next
+    chunk grows (or an epoch is announced, or partitions are looked up) must still be seen
+    before that chunk is handed over, and before the states written at close."""
+    log: list[str] = []
+    board = WorkerBoard()
+    board.add("a", WorkerView(changed=False))
+    board.add("b", WorkerView(changed=False))
+
+    async def replace(old: object) -> NamedProducer:
+        log.append("replaced")
+        return NamedProducer("new", False, log)
+
+    sink = KafkaSink(
+        NamedProducer("old", True, log),  # type: ignore[arg-type]
+        TOPICS,
+        board,
+        BridgeMetrics(),
+        max_queued=100,
+        in_flight=2,
+        linger=0.05,
+        replace_producer=replace,  # type: ignore[arg-type]
+    )
+    sink.start()
+    a = [KafkaRecord(TOPICS.events, b"a/0", b"x", [])]
+    sink.put(Outgoing("a", 0, 0, 1.0, a, True))  # handed over at 50 ms, refused at 70 ms
+    await asyncio.sleep(0.055)
+    sink.put(Outgoing("b", 0, 0, 1.0, [KafkaRecord(TOPICS.events, b"b/0", b"y", [])], True))
+    await asyncio.sleep(0.005)  # the next chunk holds its slot, grows until 105 ms
+    sink.put(Outgoing("a", 0, 1, 1.0, a, True))
+    await asyncio.wait_for(sink.close(5.0), 10)
+    assert log[:2] == [f"old {TOPICS.events}", "replaced"]
+    assert all(not entry.startswith("old") for entry in log[1:])
+
+
+async def test_a_worker_that_left_leaves_nothing_behind_in_the_sink() -> None:
+    """llm-d pods come and go under new names: were each one's partitions and refused epoch
+    kept after it left, the bridge's memory would grow with the churn."""
+    log: list[tuple[str, list[bytes]]] = []
+    producer = StatesProducer(set(), log)
+    producer.failures = {n: NotLeaderForPartitionError() for n in range(0, 200, 2)}  # events
+    board = WorkerBoard()
+    sink = KafkaSink(producer, TOPICS, board, BridgeMetrics(), max_queued=100, in_flight=2)  # type: ignore[arg-type]
+    sink.start()
+    for n in range(50):  # each pod retired when the next takes its place, as the service does
+        pod = f"pod-{n}"
+        board.add(pod, WorkerView())
+        record = KafkaRecord(TOPICS.events, event_key(pod, 0), b"x", [])
+        sink.put(Outgoing(pod, 0, 0, 1.0, [record], True))
+        await sink.wait_idle()
+        board.retire(pod, 0, time.time())
+        sink.forget(pod)
+        sink.state_changed()
+        await sink.wait_idle()
+    await asyncio.wait_for(sink.close(5.0), 10)
+    assert sink._partitions == {} and sink._refused_epoch == {}

@@ -23,6 +23,8 @@ from bridge.tracking import (
 )
 from producer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 
+STORES: list[KVEvent] = [BlockStored([1], None, [1, 2], 2, None, "GPU", None)]
+
 
 def batch(seq: int, *, life: int = 0, clear: bool = False) -> KVEventBatch:
     events: list[KVEvent] = [AllBlocksCleared()] if clear else [BlockRemoved([seq], "GPU")]
@@ -98,7 +100,7 @@ def test_a_ring_that_does_not_reach_back_asks_for_a_snapshot_and_applies_it() ->
     tracker.on_fetched(snapshot_fetch.fetch_id, 6, KVEventBatch(9.0, stores, 0))
     steps = tracker.on_fetch_end(snapshot_fetch.fetch_id)
     merged = KVEventBatch(9.0, [AllBlocksCleared(), *stores], 0)
-    assert steps[0] == Forward(0, 6, merged)
+    assert steps[0] == Forward(0, 6, merged, snapshot=True)
     assert GapReplayed(1, 5, FetchKind.SNAPSHOT) in steps
     # seq 7 was held, seq 6 is covered by the snapshot: 7 follows at once
     assert forwards(steps) == [(0, 6), (0, 7)]
@@ -312,6 +314,86 @@ def test_a_refused_delivery_opens_a_new_epoch_with_a_clear_and_asks_for_a_snapsh
     ]
     assert only_fetch(steps).kind is FetchKind.SNAPSHOT
     assert tracker.on_delivery_failed(0, 2) == []  # an older epoch's failures change nothing
+
+
+def test_an_idle_engines_snapshot_after_a_refusal_rebuilds_the_cleared_view() -> None:
+    """An idle engine's snapshot is at its last seq, the seq of the refusal's clear: it is the
+    view to rebuild, not one older than what was forwarded."""
+    tracker = SequenceTracker(can_fetch=True)
+    for seq in range(3):
+        tracker.on_live(seq, batch(seq))
+    snapshot = only_fetch(tracker.on_delivery_failed(0, 1))
+    snapshot_batch = KVEventBatch(9.0, [AllBlocksCleared(), *STORES], 0)
+    tracker.on_fetched(snapshot.fetch_id, 2, snapshot_batch)
+    steps = tracker.on_fetch_end(snapshot.fetch_id)
+    assert steps == [
+        Forward(1, 2, snapshot_batch, snapshot=True),
+        HealthChanged("live"),
+    ]
+    assert forwards(tracker.on_live(3, batch(3))) == [(1, 3)]
+    # once taken, that seq is not taken again by a later snapshot
+    gap = only_fetch(tracker.on_live(6, batch(6)))
+    again = only_fetch(tracker.on_fetched(gap.fetch_id, 5, batch(5)))  # the ring lost 3 and 4
+    tracker.on_fetched(again.fetch_id, 2, snapshot_batch)
+    assert forwards(tracker.on_fetch_end(again.fetch_id)) == []
+
+
+def test_a_refusal_during_a_replay_asks_for_a_snapshot_in_its_place() -> None:
+    tracker = SequenceTracker(can_fetch=True)
+    tracker.on_live(0, batch(0))
+    replay = only_fetch(tracker.on_live(3, batch(3)))  # seqs 1..2 missing
+    steps = tracker.on_delivery_failed(0, 0)
+    assert CancelFetch(replay.fetch_id) in steps
+    snapshot = only_fetch(steps)
+    assert snapshot.kind is FetchKind.SNAPSHOT
+    snapshot_batch = KVEventBatch(9.0, [AllBlocksCleared(), *STORES], 0)
+    tracker.on_fetched(snapshot.fetch_id, 2, snapshot_batch)
+    end = tracker.on_fetch_end(snapshot.fetch_id)
+    assert forwards(end) == [(1, 2), (1, 3)]  # the snapshot, then the live batch held
+    assert tracker.health == "live"
+
+
+def test_a_live_batch_a_catch_up_replay_brought_first_is_overlap_even_at_seq_zero() -> None:
+    """The project's publisher opens every life with a clear at seq 0: the same batch arriving
+    live after a replay forwarded it is not a new life."""
+    tracker = SequenceTracker(can_fetch=True)
+    catch_up = only_fetch(tracker.on_connected())
+    first = batch(0, clear=True)
+    tracker.on_fetched(catch_up.fetch_id, 0, first)
+    tracker.on_fetched(catch_up.fetch_id, 1, batch(1))
+    tracker.on_fetch_end(catch_up.fetch_id)
+    assert tracker.on_live(0, first) == [Duplicate(0)]
+    assert tracker.epoch == 0
+    assert isinstance(tracker.on_live(0, batch(0, life=1, clear=True))[0], EpochStarted)
+
+
+def test_a_reconnect_while_a_fetch_runs_catches_up_once_it_ends() -> None:
+    """The running replay may have been served before the connection dropped: what was
+    published while it was down only a replay asked after the reconnect shows."""
+    tracker = SequenceTracker(can_fetch=True)
+    tracker.on_live(0, batch(0))
+    replay = only_fetch(tracker.on_live(2, batch(2)))
+    assert tracker.on_connected() == []
+    for seq in (0, 1, 2):
+        tracker.on_fetched(replay.fetch_id, seq, batch(seq))
+    catch_up = only_fetch(tracker.on_fetch_end(replay.fetch_id))
+    assert (catch_up.kind, catch_up.start_seq) == (FetchKind.REPLAY, 2)
+    tracker.on_fetched(catch_up.fetch_id, 2, batch(2))
+    tracker.on_fetched(catch_up.fetch_id, 3, batch(3))  # published while disconnected
+    end = tracker.on_fetch_end(catch_up.fetch_id)
+    assert GapReplayed(3, 4, FetchKind.REPLAY) in end
+    assert tracker.next_seq == 4
+
+
+def test_a_fetch_asked_after_a_reconnect_is_its_catch_up() -> None:
+    tracker = SequenceTracker(can_fetch=True)
+    tracker.on_live(0, batch(0))
+    only_fetch(tracker.on_live(2, batch(2)))
+    assert tracker.on_connected() == []
+    snapshot = only_fetch(tracker.on_delivery_failed(0, 0))  # reaches the engine's head
+    tracker.on_fetched(snapshot.fetch_id, 2, KVEventBatch(9.0, [AllBlocksCleared()], 0))
+    end = tracker.on_fetch_end(snapshot.fetch_id)
+    assert [s for s in end if isinstance(s, Fetch)] == []
 
 
 def test_stale_fetch_replies_are_ignored() -> None:
