@@ -61,22 +61,24 @@ def item(seq: int) -> Outgoing:
     return Outgoing("w", 0, seq, float(seq), [record], True)
 
 
+def sink_for(
+    producer: object, board: WorkerBoard | None = None, **options: object
+) -> tuple[WorkerBoard, KafkaSink]:
+    """The real sink on a stand-in producer; the board follows worker "w" unless given."""
+    if board is None:
+        board = WorkerBoard()
+        board.add("w", WorkerView())
+    settings: dict[str, object] = {"max_queued": 100, "in_flight": 2, **options}
+    sink = KafkaSink(producer, TOPICS, board, BridgeMetrics(), **settings)  # type: ignore[arg-type]
+    return board, sink
+
+
 async def delivered(failures: dict[int, Exception]) -> tuple[list[int], list[int]]:
     """Six batches through a sink with one chunk in flight (a producer without idempotence): the
     events' record batches sent (records in each), and the seqs refused. The events' two record
     batches are the first two sends."""
     producer = ScriptedProducer(failures)
-    board = WorkerBoard()
-    board.add("w", WorkerView())
-    sink = KafkaSink(
-        producer,  # type: ignore[arg-type]
-        TOPICS,
-        board,
-        BridgeMetrics(),
-        max_queued=100,
-        in_flight=1,
-        retry_backoff=0.0,
-    )
+    _, sink = sink_for(producer, in_flight=1, retry_backoff=0.0)
     refused: list[int] = []
     sink.refusal_handlers["w"] = lambda epoch, seq: refused.append(seq)
     sink.start()
@@ -125,9 +127,7 @@ async def test_a_new_epoch_is_in_the_workers_topic_before_any_record_of_it() -> 
     """Were it not, a bridge restarted in between would resume the older epoch, whose records
     consumers then ignore as older than the new epoch's they have seen."""
     producer = SlowProducer()
-    board = WorkerBoard()
-    board.add("w", WorkerView())
-    sink = KafkaSink(producer, TOPICS, board, BridgeMetrics(), max_queued=100, in_flight=2)  # type: ignore[arg-type]
+    board, sink = sink_for(producer)
     sink.start()
 
     def put(epoch: int, seq: int, engine_batch: bool = True) -> None:
@@ -175,9 +175,7 @@ async def test_close_delivers_a_chunk_taken_while_it_waits_for_partitions() -> N
     partitions are looked up; were the sink idle once the chunk before it settled, close would
     stop the loops right then and count the chunk as left undelivered."""
     producer = SlowMetadataProducer()
-    board = WorkerBoard()
-    board.add("w", WorkerView())
-    sink = KafkaSink(producer, TOPICS, board, BridgeMetrics(), max_queued=100, in_flight=2)  # type: ignore[arg-type]
+    _, sink = sink_for(producer)
     sink.start()
     sink.put(item(0))
     await asyncio.sleep(0.005)  # the first chunk handed over, acknowledged at 20 ms
@@ -221,20 +219,7 @@ class StatesProducer(ScriptedProducer):
 
 
 def states_sink(producer: ScriptedProducer, **options: object) -> tuple[WorkerBoard, KafkaSink]:
-    board = WorkerBoard()
-    board.add("w", WorkerView())
-    sink = KafkaSink(
-        producer,  # type: ignore[arg-type]
-        TOPICS,
-        board,
-        BridgeMetrics(),
-        max_queued=100,
-        in_flight=2,
-        state_interval=0.05,
-        retry_backoff=0.01,
-        **options,  # type: ignore[arg-type]
-    )
-    return board, sink
+    return sink_for(producer, state_interval=0.05, retry_backoff=0.01, **options)
 
 
 async def test_a_snapshots_position_is_no_resume_point() -> None:
@@ -355,15 +340,8 @@ async def test_nothing_is_handed_to_a_producer_after_its_refusal() -> None:
         log.append("replaced")
         return NamedProducer("new", False, log)
 
-    sink = KafkaSink(
-        NamedProducer("old", True, log),  # type: ignore[arg-type]
-        TOPICS,
-        board,
-        BridgeMetrics(),
-        max_queued=100,
-        in_flight=2,
-        linger=0.05,
-        replace_producer=replace,  # type: ignore[arg-type]
+    _, sink = sink_for(
+        NamedProducer("old", True, log), board, linger=0.05, replace_producer=replace
     )
     sink.start()
     a = [KafkaRecord(TOPICS.events, b"a/0", b"x", [])]
@@ -383,8 +361,7 @@ async def test_a_worker_that_left_leaves_nothing_behind_in_the_sink() -> None:
     log: list[tuple[str, list[bytes]]] = []
     producer = StatesProducer(set(), log)
     producer.failures = {n: NotLeaderForPartitionError() for n in range(0, 200, 2)}  # events
-    board = WorkerBoard()
-    sink = KafkaSink(producer, TOPICS, board, BridgeMetrics(), max_queued=100, in_flight=2)  # type: ignore[arg-type]
+    board, sink = sink_for(producer, WorkerBoard())
     sink.start()
     for n in range(50):  # each pod retired when the next takes its place, as the service does
         pod = f"pod-{n}"
