@@ -58,6 +58,10 @@ class EngineConfig:
                 raise ConfigError(f"engine {self.name!r}: {endpoint!r} is not a ZMQ endpoint")
         if self.dp_ranks is not None and (not self.dp_ranks or min(self.dp_ranks) < 0):
             raise ConfigError(f"engine {self.name!r}: dp_ranks must be non-negative, not empty")
+        try:
+            self.workers()  # each DP rank's endpoints: vLLM offsets TCP ports by rank
+        except ValueError as error:
+            raise ConfigError(f"engine {self.name!r}: {error}") from error
         if self.shard is not None and self.shard < 0:
             raise ConfigError(f"engine {self.name!r}: shard must be non-negative")
 

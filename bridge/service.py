@@ -140,11 +140,17 @@ class BridgeService:
         self._kafka_reachable = False
         self._started = False
         self._crashed = asyncio.Event()  # a task the bridge cannot work without has ended
-        self._reloading = asyncio.Lock()  # one reload at a time: each reads the workers topic
+        # One reload at a time (each reads the workers topic), none before start has followed
+        # the engines it was given: a SIGHUP may come while Kafka is not reachable yet.
+        self._reloading = asyncio.Lock()
 
     # --- life cycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        async with self._reloading:
+            await self._start()
+
+    async def _start(self) -> None:
         if self.settings.listen is not None:
             app = health_app(self.readiness, self.metrics.registry)
             self._runner = await serve(app, *self.settings.listen)

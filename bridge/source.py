@@ -356,7 +356,12 @@ class WorkerChannel:
         dealer.setsockopt(zmq.LINGER, 0)
         readable = Readable(dealer)
         try:
-            dealer.connect(self.address.replay)
+            try:
+                dealer.connect(self.address.replay)
+            except zmq.ZMQError as error:  # an endpoint ZMQ cannot use: no reply will ever come
+                cause = f"replay endpoint {self.address.replay!r} refused by ZMQ ({error})"
+                self._apply(self.relay.tracker.on_fetch_failed(fetch.fetch_id, cause))
+                return "failed"
             start = SNAPSHOT_REQUEST if fetch.kind is FetchKind.SNAPSHOT else fetch.start_seq
             dealer.send_multipart([b"", start.to_bytes(8, "big")])  # queued until connected
             timeout = self._settings.replay_timeout

@@ -390,8 +390,9 @@ class Follower:
         if self.index.is_retired(state.worker, state.epoch):
             return  # a state of a life retired since: nothing to serve
         previous = self._worker_states.get(state.worker)
+        if not self._follow_epoch(state, replayed):
+            return  # an older life's catalog and health are not those of the blocks held
         self._worker_states[state.worker] = state
-        self._follow_epoch(state, replayed)
         if state.groups:
             self.index.set_catalog(state.worker, state.groups)
         self.index.set_health(state.worker, state.health)
@@ -406,17 +407,21 @@ class Follower:
                 state.last_seq,
             )
 
-    def _follow_epoch(self, state: WorkerState, replayed: bool) -> None:
-        """A newer epoch drops the worker's previous life now, before the events partitions
-        holding the new epoch's records are read (they may lag, or be another member's).
+    def _follow_epoch(self, state: WorkerState, replayed: bool) -> bool:
+        """Whether the state is of the life the index holds. A newer epoch drops the worker's
+        previous life now, before the events partitions holding the new epoch's records are read
+        (they may lag, or be another member's).
 
-        An older one leaves the worker's epoch and blocks alone and is logged once per (worker,
-        epoch): the bridge may have lost its resume point, and the index ignores its records as an
-        older life. Not while catching up, where older states are history a newer one follows.
+        An older one leaves the worker alone (epoch, blocks, catalog, health: a looser catalog
+        would count window blocks the worker does not hold) and is logged once per (worker,
+        epoch): the bridge may have lost its resume point, and the index ignores its records as
+        an older life. Not while catching up, where older states are history a newer one follows.
         """
         epoch = self.index.start_epoch(state.worker, state.epoch)
-        if epoch <= state.epoch or replayed:
-            return
+        if epoch <= state.epoch:
+            return True
+        if replayed:
+            return False
         behind = (state.worker, state.epoch)
         if behind not in self._behind_epochs_logged:
             self._behind_epochs_logged.add(behind)
@@ -428,6 +433,7 @@ class Follower:
                 epoch,
                 state.epoch,
             )
+        return False
 
     def _retire(self, state: WorkerState) -> None:
         """The bridge retired the worker: nothing follows its cache any more, so it is not

@@ -322,8 +322,8 @@ async def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
     reloads: set[asyncio.Task[None]] = set()
-    if args.engines is not None:
-        loop.add_signal_handler(signal.SIGHUP, lambda: _schedule_reload(service, args, reloads))
+    # Also without an engines file: SIGHUP's default action would end the bridge unflushed.
+    loop.add_signal_handler(signal.SIGHUP, lambda: _schedule_reload(service, args, reloads))
     starting = asyncio.create_task(service.start())
     stopped = asyncio.create_task(stopping.wait())
     await asyncio.wait([starting, stopped], return_when="FIRST_COMPLETED")
@@ -360,12 +360,14 @@ def tune_garbage_collector() -> None:
 def _schedule_reload(
     service: BridgeService, args: argparse.Namespace, running: set[asyncio.Task[None]]
 ) -> None:
-    task = asyncio.create_task(_reload(service, args))
+    task = asyncio.create_task(reload_engines(service, args))
     running.add(task)
     task.add_done_callback(running.discard)
 
 
-async def _reload(service: BridgeService, args: argparse.Namespace) -> None:
+async def reload_engines(service: BridgeService, args: argparse.Namespace) -> None:
+    """What SIGHUP does: read the configuration again and follow it; one that cannot run is
+    logged and the current engines kept."""
     try:
         fleet = _fleet(args)
         await service.reload(_shard_of(args, fleet), fleet=[engine.name for engine in fleet])

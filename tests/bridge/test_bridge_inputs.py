@@ -4,6 +4,7 @@ the bridge (bound SUB), and the operator's view (/healthz, /readyz, /metrics).""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -126,6 +127,31 @@ async def test_frames_of_every_vllm_generation_are_forwarded(kafka_bootstrap: st
         for record in records.values():
             assert record.ts == vector["expected"]["ts"]
             assert record.data_parallel_rank == vector["expected"]["data_parallel_rank"]
+
+
+@pytest.mark.kafka
+async def test_a_replay_endpoint_zmq_cannot_use_fails_its_fetches_and_live_steps_flow(
+    kafka_bootstrap: str,
+) -> None:
+    """A replay endpoint without a port passes the configuration's check but not ZMQ's: each
+    fetch fails as one without an answer does (its gap lost, the worker degraded), instead of
+    the worker staying ``replaying`` with every live batch held."""
+    engine = EngineThread("engine-a")
+    config = dataclasses.replace(engine.config, replay="tcp://127.0.0.1")
+    settings = settings_for(kafka_bootstrap)
+    log = KafkaLog(kafka_bootstrap, settings.topics)
+    with engines_running(engine):
+        async with running_bridge(settings, [config]) as bridge:
+            await metric_reaches(
+                bridge, "hmakv_bridge_replays_total", 1, kind="replay", outcome="failed"
+            )
+            await engine.published_all(5)
+            await log.wait_for(lambda log: log.has_seq("engine-a", 5), "the live steps")
+            assert bridge.readiness().sources == {"engine-a": "connected"}
+            health = "hmakv_bridge_worker_health"
+            assert metric(bridge, health, worker="engine-a", health="replaying") == 0
+            not_kept = "hmakv_bridge_batches_not_kept_total"
+            assert metric(bridge, not_kept, worker="engine-a", reason="buffer_full") == 0
 
 
 async def test_every_kind_of_bad_frame_is_dead_lettered_and_counted_while_good_traffic_flows(

@@ -7,6 +7,7 @@ a fixed port and data dir so that the restarted broker is the same cluster with 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from bridge_harness import (
 
 from bridge.service import BridgeService
 from hmakv.kafka import ApacheKafkaBroker
+from producer.events import GroupSpec
 
 
 @pytest.mark.kafka
@@ -90,3 +92,33 @@ async def test_stopping_during_an_outage_counts_what_is_left_and_keeps_to_the_ti
     assert stopping < 4 * settings.shutdown_timeout
     [left] = [r.args[0] for r in caplog.records if "not delivered at shutdown" in r.getMessage()]
     assert isinstance(left, int) and left >= 20  # at least what the queue held
+
+
+@pytest.mark.kafka
+@pytest.mark.apache
+async def test_a_reload_before_kafka_answers_takes_effect_once_the_bridge_has_started(
+    tmp_path: Path,
+) -> None:
+    """``hmakv bridge`` takes SIGHUP from the start, and start waits for Kafka as long as it
+    takes: a reload meanwhile must wait for start, then follow the engines it names. (It ran at
+    once and dropped the engine it changed, for good.)"""
+    broker = ApacheKafkaBroker(port=free_port(), data_dir=tmp_path / "kafka")
+    engine = EngineThread("engine-a")
+    settings = settings_for(broker.bootstrap, kafka_retry=0.2)
+    service = BridgeService(settings, [engine.config])
+    changed = dataclasses.replace(engine.config, groups={0: GroupSpec("full_attention", 16)})
+    try:
+        with engines_running(engine):
+            starting = asyncio.create_task(service.start())
+            reloading = asyncio.create_task(service.reload([changed]))
+            await asyncio.sleep(1.0)
+            assert not starting.done() and not reloading.done()
+            await asyncio.to_thread(broker.start)
+            await asyncio.wait_for(asyncio.gather(starting, reloading), 60)
+            log = KafkaLog(broker.bootstrap, settings.topics)
+            await engine.published_all(3)
+            await log.wait_for(lambda log: log.has_seq("engine-a", 3), "engine-a's steps")
+            assert service.readiness().sources == {"engine-a": "connected"}
+    finally:
+        await service.stop()
+        await asyncio.to_thread(broker.stop)

@@ -79,6 +79,7 @@ def test_a_single_rank_engine_is_one_worker_named_as_configured() -> None:
         ("gpu-a=tcp://h:1,shard=-1", "shard must be a non-negative integer"),
         ("gpu/a=tcp://h:1", "no '/'"),
         ("gpu-a=h:1", "not a ZMQ endpoint"),
+        ("gpu-a=ipc:///tmp/a,dp=2", "cannot offset"),  # vLLM offsets TCP ports by DP rank
     ],
 )
 def test_bad_engine_flags_say_what_is_wrong(flag: str, message: str) -> None:

@@ -5,7 +5,9 @@ The bridge runs as a subprocess of the real command line; engines and Kafka are 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import logging
 import signal
 import subprocess
 import sys
@@ -22,11 +24,14 @@ from bridge_harness import (
     by_group,
     engines_running,
     expected_records,
+    free_port,
 )
 
 from bridge.config import EngineConfig, Shard
 from bridge.records import Topics
+from bridge.service import BridgeService, BridgeSettings
 from hmakv.cli import main
+from hmakv.commands.bridge import reload_engines
 from hmakv.kafka import unique_topic
 
 
@@ -237,6 +242,7 @@ def test_a_configuration_that_cannot_run_exits_2(
         ("--engines", str(bad_toml)): "contain no '/'",
         (): "no engines",
         ("--bind-sub", "tcp://127.0.0.1:1", "--shard", "0/2"): "--shard splits",
+        ("--engine", "a=ipc:///tmp/a,dp=2"): "cannot offset",
     }
     for args, message in cases.items():
         assert main(["bridge", *args]) == 2
@@ -255,3 +261,38 @@ def test_help_names_every_setting() -> None:
                  "--replay-timeout", "--queue-size", "HMAKV_BRIDGE_QUEUE_SIZE",
                  "HMAKV_KAFKA_BOOTSTRAP"):  # fmt: skip
         assert flag in result.stdout
+
+
+async def test_a_sighup_with_an_engines_file_that_cannot_run_keeps_the_engines(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engines = tmp_path / "engines.toml"
+    engines.write_text(
+        '[[engines]]\nname = "a"\nendpoint = "ipc:///tmp/hmakv-a"\ndp_ranks = [0, 1]\n'
+    )
+    args = argparse.Namespace(engines=engines, engine=[], bind_sub=None, shard=Shard(0, 1))
+    service = BridgeService(BridgeSettings(kafka="127.0.0.1:1"), [])
+    with caplog.at_level(logging.ERROR):
+        await reload_engines(service, args)  # what SIGHUP runs
+    assert "engines not reloaded" in caplog.text and "cannot offset" in caplog.text
+
+
+def test_sighup_without_an_engines_file_does_not_end_the_bridge(tmp_path: Path) -> None:
+    """SIGHUP's default action ends a process unflushed: the bridge takes it whatever its
+    configuration (here --engine flags only, nothing to re-read, and no Kafka yet)."""
+    log_path = tmp_path / "bridge.log"
+    bridge = BridgeProcess(
+        ["--kafka", f"127.0.0.1:{free_port()}", "--engine", "a=tcp://127.0.0.1:1"], log_path
+    )
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while b"not usable yet" not in log_path.read_bytes():  # start() runs: signals are set
+            assert bridge.process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        bridge.signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert bridge.process.poll() is None, "SIGHUP ended the bridge"
+        bridge.signal(signal.SIGTERM)
+        assert bridge.wait() == 0
+    finally:
+        bridge.kill()

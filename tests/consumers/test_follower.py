@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from aiokafka.errors import CommitFailedError
 from aiokafka.structs import TopicPartition
 from follower_kit import (
+    FULL,
     SWA,
     LogWriter,
     cleared,
@@ -423,6 +424,32 @@ async def test_a_newer_epoch_on_the_workers_topic_drops_the_old_life_before_its_
         assert hit_tokens(follower, "w", [1, 2, 3]) == 32
         warnings = [r for r in caplog.records if "lost its resume point" in r.getMessage()]
         assert len(warnings) == 1, "logged once per worker and epoch"
+
+
+async def test_an_older_epochs_state_leaves_the_current_lifes_catalog_and_health_alone(
+    kafka_bootstrap: str,
+) -> None:
+    """A late state of an older life (an old bridge still writing during a handover) must not
+    loosen the hit rule of the blocks held (window blocks counted that the worker does not
+    hold) nor make a degraded worker eligible again."""
+    topics = await fresh_topics(kafka_bootstrap)
+    async with (
+        LogWriter(kafka_bootstrap, topics) as log,
+        running(Follower(follower_config(kafka_bootstrap, topics))) as follower,
+    ):
+        await log.state(worker_state("w", "degraded", epoch=1, groups={0: FULL, 1: SWA}))
+        await log.events(
+            record("w", 0, [stored([1, 2, 3, 4], group=0)], group=0, epoch=1),
+            record("w", 0, [stored([1, 2], group=1, spec=SWA)], group=1, epoch=1),
+        )
+        await wait_until(lambda: resident(follower, "w", 1) == 2, "epoch 1 applied")
+        assert hit_tokens(follower, "w", [1, 2, 3, 4]) == 32  # the window holds blocks 1..2
+
+        await log.state(worker_state("w", "live", epoch=0, groups={0: FULL}))
+        await wait_until(lambda: follower.stats.worker_states_applied == 2, "the epoch 0 state")
+        [info] = follower.index.workers()
+        assert (info.epoch, info.health, info.groups) == (1, "degraded", {0: FULL, 1: SWA})
+        assert hit_tokens(follower, "w", [1, 2, 3, 4]) == 32
 
 
 async def test_a_failed_commit_is_counted_retried_and_never_stops_the_follower(
