@@ -165,6 +165,7 @@ class WorkerChannel:
         self._office = office
         self._settings = settings
         self._fetches: dict[int, asyncio.Task[None]] = {}
+        self._closed = False  # no fetch starts once closing began
         self._batches = metrics.batches_received.labels(self.worker)
         self._events: dict[type, MetricCounter] = {
             cls: metrics.events_received.labels(self.worker, cls.__name__)
@@ -227,6 +228,9 @@ class WorkerChannel:
         self._apply(self.relay.tracker.on_delivery_failed(epoch, seq))
 
     async def close(self) -> None:
+        """Stop the fetches; a refusal Kafka reports meanwhile starts none (it would run on for
+        a worker this channel no longer follows)."""
+        self._closed = True
         tasks = [*self._fetches.values()]
         for task in tasks:
             task.cancel()
@@ -263,7 +267,7 @@ class WorkerChannel:
             self._sink.state_changed()
         for fetch_id in handled.cancelled:
             self._cancel(fetch_id)
-        for fetch in handled.fetches:
+        for fetch in handled.fetches if not self._closed else ():
             self._fetches[fetch.fetch_id] = asyncio.create_task(self._fetch(fetch))
         for step in handled.events:
             self._observe(step)

@@ -131,3 +131,24 @@ async def test_an_engine_reloaded_while_its_new_epoch_is_queued_goes_on_in_that_
     for group in GROUPS:
         epochs = [r.epoch for r in log.records_of("engine-a") if r.group_idx == group]
         assert epochs == sorted(epochs) and epochs[-1] == 1
+
+
+async def test_a_refusal_reported_while_a_channel_closes_starts_no_fetch(
+    kafka_bootstrap: str,
+) -> None:
+    """A reload closes a changed engine's channel, and Kafka may report a refusal in the event
+    loop turns that takes (told to the channel directly here): the snapshot it asks for must not
+    start, or it would run on, for a worker the new channel follows in another epoch."""
+    engine = EngineThread("engine-a")
+    settings = settings_for(kafka_bootstrap)
+    with engines_running(engine):
+        async with running_bridge(settings, [engine.config]) as bridge:
+            await engine.published_all(3)
+            await metric_reaches(bridge, "hmakv_bridge_worker_last_seq", 3, worker="engine-a")
+            channel = bridge._channels["engine-a"]
+            closing = asyncio.create_task(channel.close())
+            await asyncio.sleep(0)  # close() has begun
+            channel.on_refused(0, 3)
+            await closing
+            fetches = [t for t in asyncio.all_tasks() if "WorkerChannel._fetch" in repr(t)]
+            assert fetches == []
