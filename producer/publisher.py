@@ -176,11 +176,17 @@ class _ReplyStream:
         self.last_progress = now
 
 
+# What msgspec raises for a value it cannot write (a wrong type, an int beyond 64 bits, a string
+# with a lone surrogate): one batch or snapshot, never the publisher thread.
+_UNENCODABLE = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
+
+
 class _StreamState(enum.Enum):
     DONE = enum.auto()
     MORE = enum.auto()  # budget spent, can send more right away
     STALLED = enum.auto()  # the client's pipe is full
     GONE = enum.auto()  # the client disconnected
+    UNENCODABLE = enum.auto()  # a snapshot event cannot be encoded
 
 
 class _Snapshot:
@@ -324,7 +330,7 @@ class _PublisherLoop:
             payload = ring.next_slot()
             try:
                 encode_into(batch, payload)
-            except (TypeError, msgspec.EncodeError):
+            except _UNENCODABLE:
                 payload.clear()
                 stats.encode_errors += 1
                 logger.exception("KV-event batch seq %d cannot be encoded; it becomes a gap", seq)
@@ -440,7 +446,11 @@ class _PublisherLoop:
         router = self._router
         assert router is not None
         for _ in range(self._settings.reply_budget):
-            frames = stream.pending or next(stream.frames)
+            try:
+                frames = stream.pending or next(stream.frames)
+            except _UNENCODABLE:
+                logger.exception("a snapshot event cannot be encoded")
+                return _StreamState.UNENCODABLE
             try:
                 router.send_multipart((stream.identity, b"", *frames), zmq.NOBLOCK)
             except zmq.Again:
@@ -473,6 +483,11 @@ class _PublisherLoop:
             return False
         if state is _StreamState.GONE:
             self._abandon(stream, "the client disconnected")
+            return False
+        if state is _StreamState.UNENCODABLE:
+            # No end marker: the chunks the client has are not the whole snapshot, and a reply
+            # that stalls is one it gives up on.
+            self._abandon(stream, "an event of the snapshot cannot be encoded")
             return False
         if (
             state is _StreamState.STALLED

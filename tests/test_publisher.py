@@ -326,13 +326,23 @@ def test_full_queue_drops_batches_but_keeps_their_seqs(
     assert replayed == kept, "the replay ring must skip dropped seqs, not shift past them"
 
 
+UNENCODABLE_EVENTS: dict[str, object] = {
+    "a foreign object": object(),
+    "a hash beyond 64 bits": BlockRemoved([2**64], "GPU"),  # msgspec: OverflowError
+    "a lone surrogate": BlockStored([1], None, [1] * 16, 16, None, "GPU", "\ud800"),  # ValueError
+}
+
+
+@pytest.mark.parametrize("event", list(UNENCODABLE_EVENTS.values()), ids=list(UNENCODABLE_EVENTS))
 def test_batch_that_cannot_be_encoded_becomes_a_counted_gap(
-    ctx: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[str, str]
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[str, str], event: object
 ) -> None:
+    """Whatever msgspec raises for one batch, the publisher thread goes on (had it ended,
+    nothing more would be sent, and nothing would tell the engine)."""
     with publisher(endpoints) as pub:
         sub = subscriber(ctx, local(pub.endpoint))
         last = join_live_stream(pub, sub)
-        pub.publish(ForeignBatch(ts=1.0, events=[object()]))
+        pub.publish(ForeignBatch(ts=1.0, events=[event]))
         pub.publish(removal(1))
         assert receive_live(sub)[0] == last + 2
         assert pub.stats().encode_errors == 1
@@ -565,6 +575,26 @@ def test_snapshot_request_the_engine_never_serves_gets_the_end_marker_after_the_
         reply = request_snapshot(replay_client(ctx, pub.replay_endpoint or ""), lambda: None)
         assert reply == []
         assert pub.stats().snapshots_unavailable == 1
+
+
+def test_a_snapshot_that_cannot_be_encoded_is_abandoned_and_live_batches_go_on(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[str, str]
+) -> None:
+    """Its chunks are encoded as they are sent: one that fails ends that reply without the end
+    marker (the chunks sent are not the whole snapshot; the client's wait times out), and
+    nothing else."""
+    bad: list[KVEvent] = [BlockRemoved([2**64], "GPU")]
+    with publisher(endpoints, snapshot_provider=lambda: bad) as pub:
+        sub = subscriber(ctx, local(pub.endpoint))
+        last = join_live_stream(pub, sub)
+        dealer = replay_client(ctx, pub.replay_endpoint or "")
+        dealer.send_multipart([b"", SNAPSHOT_REQUEST.to_bytes(8, "big")])
+        wait_until(lambda: pub.stats().snapshot_requests == 1, "the request is read")
+        pub.service_snapshot_requests()
+        wait_until(lambda: pub.stats().replays_abandoned == 1, "the reply is abandoned")
+        assert not dealer.poll(100), "no end marker: what was sent is not a whole snapshot"
+        pub.publish(removal(7))
+        assert receive_live(sub)[0] == last + 1
 
 
 def failing_provider() -> list[KVEvent]:
