@@ -25,7 +25,13 @@ from consumers.follower import Follower
 from consumers.index import WorkerInfo, WorkerScore
 from consumers.metrics import SCORE_DURATION_BUCKETS, Buckets
 from producer.events import ExternalBlockHash, GroupSpec
-from producer.hashing import BlockHasher, UnsupportedHashFunction, block_extra_keys, external
+from producer.hashing import (
+    HASH_FUNCTIONS,
+    BlockHasher,
+    UnsupportedHashFunction,
+    block_extra_keys,
+    external,
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -41,6 +47,10 @@ class HashingDefaults:
 
     hash_fn: str = "sha256_cbor"
     seed: str = "0"
+
+    def __post_init__(self) -> None:  # also when it comes from the environment, unchecked
+        if self.hash_fn not in HASH_FUNCTIONS:
+            raise ValueError(f"hash function must be one of {HASH_FUNCTIONS}, got {self.hash_fn!r}")
 
 
 @dataclass(frozen=True)
@@ -308,6 +318,8 @@ class ScoreApi:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise _BadRequest(413, f"body larger than {self.limits.max_body_bytes} bytes") from exc
+        except web.RequestPayloadError as exc:  # e.g. Content-Encoding: gzip on a body that is not
+            raise _BadRequest(400, f"unreadable body: {exc}") from exc
         if not body:
             raise _BadRequest(400, "empty body: expected a JSON object")
         try:

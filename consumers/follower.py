@@ -61,6 +61,7 @@ from consumers.snapshots import (
     Snapshot,
     SnapshotError,
     SnapshotStore,
+    check_follower_id,
     pack,
     unpack,
 )
@@ -100,6 +101,7 @@ class FollowerConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        check_follower_id(self.follower_id)
 
     def new_index(self) -> KVIndex:
         return KVIndex(hash_block_size=self.hash_block_size, tier_weights=self.tier_weights)
@@ -219,8 +221,11 @@ class Follower:
         ``final_snapshot=False`` is what a crash leaves behind, for tests of restarting.
         """
         self._started = False
-        for task in self._tasks:
-            task.cancel()
+        # A snapshot being written finishes first: cancelled, its write would go on in its
+        # thread (or stop between a Kafka store's chunks) while the final one is written.
+        async with self._snapshot_lock:
+            for task in self._tasks:
+                task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         try:

@@ -787,7 +787,6 @@ class KVIndex:
                     for name, medium in self._media.items()
                     if medium.owners
                 ],
-                counters=self._counters,
                 retired=self._retired,
             )
         )
@@ -820,7 +819,6 @@ class KVIndex:
             state.owners = dict(zip(medium.hashes, map(unpacked, medium.owners), strict=True))
             for group, slot, block_hash, extra in medium.copies:
                 state.copies.setdefault((group, slot), {})[block_hash] = extra
-        index._counters = saved.counters
         index._retired = saved.retired
         return index
 
@@ -1102,7 +1100,8 @@ class _Snapshot(msgspec.Struct, gc=False):
     lanes: list[int]  # the group of each lane, in lane order
     workers: list[_WorkerSnapshot]
     media: list[_MediumSnapshot]
-    counters: IndexCounters
+    # No counters: they are Prometheus counters, which start at zero with each process (the
+    # counters older snapshots hold are ignored).
     retired: dict[str, int] = {}  # absent from snapshots made before workers could retire
 
 

@@ -108,6 +108,12 @@ def unpack(blob: bytes) -> Snapshot:
     return snapshot
 
 
+def check_follower_id(follower_id: str) -> None:
+    """A follower's id keys its snapshot, whose chunks are keyed ``<id>/<snapshot>/<n>``."""
+    if "/" in follower_id or not follower_id:
+        raise ValueError(f"follower id must be non-empty and contain no '/': {follower_id!r}")
+
+
 class SnapshotStore(Protocol):
     """Where a follower keeps its newest snapshot blob."""
 
@@ -178,8 +184,7 @@ class KafkaSnapshotStore:
         security: KafkaSecurity | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
-        if "/" in follower_id or not follower_id:
-            raise ValueError(f"follower id must be non-empty and contain no '/': {follower_id!r}")
+        check_follower_id(follower_id)
         self.bootstrap = bootstrap
         self.topic = topic
         self.follower_id = follower_id

@@ -229,6 +229,14 @@ async def test_bad_requests_get_a_4xx_and_a_json_error_that_says_why(
     assert message in answer["error"]
 
 
+async def test_a_body_that_does_not_decompress_is_a_json_400(client: TestClient[Any, Any]) -> None:
+    response = await client.post(
+        "/v1/score", data=b"not gzip at all", headers={"Content-Encoding": "gzip"}
+    )
+    assert response.status == 400
+    assert "unreadable body" in (await response.json())["error"]
+
+
 async def test_unknown_paths_and_methods_answer_json_errors(client: TestClient[Any, Any]) -> None:
     for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/score", 405)):
         response = await client.request(method, path)

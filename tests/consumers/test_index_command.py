@@ -130,6 +130,7 @@ def test_missing_kafka_address_is_a_usage_error(tmp_path: Path) -> None:
         ["--mode", "solo"],
         ["--listen", "8181"],
         ["--tier-weight", "GPU"],
+        ["--follower-id", "a/b"],  # its snapshot's chunks are keyed <id>/<snapshot>/<n>
     ],
 )
 def test_bad_options_are_usage_errors(argument: list[str]) -> None:
@@ -141,3 +142,21 @@ def test_bad_options_are_usage_errors(argument: list[str]) -> None:
         check=False,
     )
     assert result.returncode == 2, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("HMAKV_INDEX_MODE", "solo"), ("HMAKV_INDEX_HASH_FN", "sha256")],  # vLLM's name, not ours
+)
+def test_bad_options_from_the_environment_are_usage_errors(variable: str, value: str) -> None:
+    """argparse checks an option's choices, not a default that came from the environment."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hmakv.cli", "index", "--kafka", "127.0.0.1:1"],
+        env={**os.environ, variable: value},
+        capture_output=True,
+        text=True,
+        timeout=EXIT_TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert value in result.stderr

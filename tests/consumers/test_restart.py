@@ -3,7 +3,10 @@ same answers, and reads only what came after it, from a file or from the compact
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,7 @@ from follower_kit import (
 from bridge.kafka_client import create_consumer
 from bridge.records import EventRecord, Topics
 from consumers.follower import Follower, FollowerConfig
-from consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore
+from consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore, unpack
 from hmakv.kafka import unique_topic
 from producer.events import KVEvent
 
@@ -62,9 +65,10 @@ def store_for(target: str, bootstrap: str, topics: Topics, tmp_path: Path) -> Sn
 
 
 def answers(follower: Follower) -> list[object]:
+    """What routers get (the counters are Prometheus counters: each process counts its own)."""
     index = follower.index
     scores = [index.score(prompt, len(prompt) * 16 + 1) for prompt in PROMPTS]
-    return [index.workers(), index.counters, scores]
+    return [index.workers(), scores]
 
 
 def events_consumed(follower: Follower) -> int:
@@ -111,6 +115,53 @@ async def test_restart_resumes_from_the_snapshot_with_the_same_answers(
             assert sum(saved.values()) == len(before), "the snapshot reflects what was applied"
         finally:
             await second.stop()
+
+
+class SlowDisk:
+    """A store whose save takes 0.3 s in a thread, as a large snapshot's file write does; it
+    notes whether two saves ever ran at once."""
+
+    def __init__(self) -> None:
+        self.first_started = threading.Event()
+        self.saving = 0
+        self.overlapped = False
+        self.saved: list[bytes] = []
+
+    def describe(self) -> str:
+        return "slow disk"
+
+    async def save(self, blob: bytes) -> None:
+        await asyncio.to_thread(self._write, blob)
+
+    def _write(self, blob: bytes) -> None:
+        self.saving += 1
+        self.overlapped |= self.saving > 1
+        self.first_started.set()
+        time.sleep(0.3)
+        self.saved.append(blob)
+        self.saving -= 1
+
+    async def load(self) -> bytes | None:
+        return self.saved[-1] if self.saved else None
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_stop_lets_a_periodic_snapshot_finish_before_the_final_one(
+    kafka_bootstrap: str,
+) -> None:
+    """Cancelled mid-save, a periodic snapshot's write goes on in its thread while the final
+    one is written: two writes of one file at once (or a Kafka store's chunks cut short)."""
+    topics = await fresh_topics(kafka_bootstrap)
+    disk = SlowDisk()
+    follower = Follower(follower_config(kafka_bootstrap, topics, snapshot_interval_s=0.05), disk)
+    await follower.start()
+    await asyncio.to_thread(disk.first_started.wait, 10)
+    await follower.stop(final_snapshot=True)
+    assert not disk.overlapped
+    assert follower.stats.snapshots_failed == 0
+    assert unpack(disk.saved[-1]).created == follower.stats.last_snapshot_at
 
 
 async def test_kafka_store_keeps_only_the_newest_snapshot(kafka_bootstrap: str) -> None:
