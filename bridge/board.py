@@ -37,6 +37,9 @@ class WorkerBoard:
         self._interval = interval
         self.views: dict[str, WorkerView] = {}
         self._last: list[WorkerState] = []  # of workers no longer followed: written once, next
+        # Per worker, the newest state handed out that Kafka has not settled yet: the one to
+        # write again if refused, for a worker this board no longer follows.
+        self._unsettled: dict[str, WorkerState] = {}
 
     def add(self, worker: str, view: WorkerView) -> None:
         self.views[worker] = view
@@ -47,7 +50,7 @@ class WorkerBoard:
         that the next bridge resumes exactly where this one stopped."""
         view = self.views.pop(worker, None)
         if view is not None and (view.changed or view.progressed):
-            self._last.append(self._state(worker, view, now))
+            self._last.append(self._handed_out(worker, view, now))
 
     def retire(self, worker: str, epoch: int, now: float) -> WorkerState | None:
         """The worker left the fleet: its last state, ``retired`` at ``epoch`` (the newest its
@@ -57,6 +60,7 @@ class WorkerBoard:
             return None
         view.epoch = max(view.epoch, epoch)
         state = msgspec.structs.replace(self._state(worker, view, now), health=RETIRED)
+        self._unsettled[worker] = state
         self._last.append(state)
         return state
 
@@ -109,24 +113,36 @@ class WorkerBoard:
 
     def due(self, now: float, *, flush: bool = False) -> list[WorkerState]:
         """The states to write now (all pending ones when flushing), marked as written: the
-        sink hands back those Kafka then refuses (``refused``)."""
+        sink tells how each settled (``settled``)."""
         states, self._last = self._last, []
         for worker, view in self.views.items():
             due_by_time = view.progressed and now - view.written_at >= self._interval
             if view.changed or due_by_time or (flush and view.progressed):
-                states.append(self._state(worker, view, now))
+                states.append(self._handed_out(worker, view, now))
         return states
 
-    def refused(self, state: WorkerState) -> None:
-        """Kafka refused this state for good (``due`` marked it written): write it again. A
-        worker still followed has its current view written, newer than the refused state anyway;
-        one no longer followed (released or retired) has the refused state put back in line,
-        unless a newer one of it waits there already."""
-        view = self.views.get(state.worker)
+    def settled(self, state: WorkerState, *, refused: bool) -> None:
+        """Kafka took this state, or refused it for good (``due`` marked it written): a refused
+        one is written again. A worker still followed has its current view written, newer than
+        the refused state anyway; one no longer followed (released or retired) has its state
+        put back in line if it is the newest handed out, never an older one, which would take
+        the newest's place in the compacted topic."""
+        worker = state.worker
+        newest = self._unsettled.get(worker) is state
+        if not refused:
+            if newest:
+                del self._unsettled[worker]
+            return
+        view = self.views.get(worker)
         if view is not None:
             view.changed = True
-        elif all(pending.worker != state.worker for pending in self._last):
+        elif newest:
             self._last.append(state)
+
+    def _handed_out(self, worker: str, view: WorkerView, now: float) -> WorkerState:
+        state = self._state(worker, view, now)
+        self._unsettled[worker] = state
+        return state
 
     @staticmethod
     def _state(worker: str, view: WorkerView, now: float) -> WorkerState:

@@ -238,22 +238,25 @@ class BridgeService:
             await self._follow(engines, fleet)
 
     async def _follow(self, engines: list[EngineConfig], fleet: Collection[str] | None) -> None:
+        """Every await comes before the first worker is forgotten: from then on until the
+        engines that stay are followed again, a refusal Kafka reports would find no channel."""
         wanted = {engine.name: engine for engine in engines}
         changed = [n for n, e in self._engines.items() if wanted.get(n) != e]
-        positions = {
-            worker: position
-            for name in changed
-            for worker in self._worker_names(name)
-            if (position := self._position(worker)) is not None
-        }
-        staying = {address.worker for e in engines for address in e.workers()}
-        for name in changed:
-            engine = self._engines.pop(name)
-            moved = name not in wanted and fleet is not None and name in fleet
-            leaving = set() if moved else {a.worker for a in engine.workers()} - staying
-            await self._remove_engine(engine, retire=leaving)
-        if any(name not in self._engines for name in wanted):
+        if any(self._engines.get(name) != engine for name, engine in wanted.items()):
             await self._reread_resume_points()
+        removed = [self._engines.pop(name) for name in changed]
+        closed = await self._close_engines(removed)
+        staying = {address.worker for e in engines for address in e.workers()}
+        positions = {}
+        for engine, channels in closed:
+            moved = engine.name not in wanted and fleet is not None and engine.name in fleet
+            leaving = set() if moved else {a.worker for a in engine.workers()} - staying
+            for channel in channels:
+                # Read once nothing more changes it: a refusal reported while channels closed
+                # opened a newer epoch, in which the engine goes on should it stay.
+                if (position := self._position(channel)) is not None:
+                    positions[channel.worker] = position
+                self._forget(channel, retire=channel.worker in leaving)
         for name, engine in wanted.items():
             if name not in self._engines:
                 self._engines[name] = engine
@@ -387,18 +390,26 @@ class BridgeService:
             source = ConnectedSource(channel, engine.topic, self._deps())
             self._sources[address.worker] = (source, asyncio.create_task(source.run()))
 
-    async def _remove_engine(self, engine: EngineConfig, *, retire: Collection[str]) -> None:
-        """Stop following the engine's workers; those in ``retire`` have left the fleet."""
-        self._by_topic.pop(engine.topic.encode(), None)
-        for address in engine.workers():
-            entry = self._sources.pop(address.worker, None)
-            if entry is not None:
-                entry[1].cancel()
-                await asyncio.gather(entry[1], return_exceptions=True)
-            channel = self._channels.pop(address.worker, None)
-            if channel is not None:
-                await channel.close()
-                self._forget(channel, retire=address.worker in retire)
+    async def _close_engines(
+        self, engines: list[EngineConfig]
+    ) -> list[tuple[EngineConfig, list[WorkerChannel]]]:
+        """Stop receiving from the engines and close their workers' channels (still on the
+        board and the sink, for the caller to forget)."""
+        closed = []
+        for engine in engines:
+            self._by_topic.pop(engine.topic.encode(), None)
+            channels = []
+            for address in engine.workers():
+                entry = self._sources.pop(address.worker, None)
+                if entry is not None:
+                    entry[1].cancel()
+                    await asyncio.gather(entry[1], return_exceptions=True)
+                channel = self._channels.pop(address.worker, None)
+                if channel is not None:
+                    await channel.close()
+                    channels.append(channel)
+            closed.append((engine, channels))
+        return closed
 
     def _forget(self, channel: WorkerChannel, *, retire: bool) -> None:
         """Stop following the channel's worker (retired, or released to another bridge). What
@@ -501,22 +512,19 @@ class BridgeService:
         log.info("worker %r retired after %.0f s without a message (--max-workers)", silent, idle)
         return True
 
-    def _position(self, worker: str) -> WorkerState | None:
-        """A live worker's position as a resume point, for an engine that restarts on reload.
+    def _position(self, channel: WorkerChannel) -> WorkerState | None:
+        """A worker's position as a resume point, for an engine that restarts on reload.
 
         Its tracker may be in a newer epoch than Kafka holds yet (a restart or a refusal just
         seen, its clear still queued): the reloaded engine goes on in that epoch, since the
         queued records of it still reach consumers, who would ignore the older one's after them.
         """
+        worker = channel.worker
         view = self._board.views.get(worker)
         if view is None:
             return None
-        channel = self._channels.get(worker)
-        epoch = max(view.epoch, channel.relay.tracker.epoch) if channel else view.epoch
+        epoch = max(view.epoch, channel.relay.tracker.epoch)
         return WorkerState(worker, epoch, view.last_seq, view.health, view.groups, view.last_ts)
-
-    def _worker_names(self, engine_name: str) -> list[str]:
-        return [address.worker for address in self._engines[engine_name].workers()]
 
     def _deps(self) -> SubscriberDeps:
         assert self._office is not None and self._intake is not None

@@ -540,18 +540,17 @@ class KafkaSink:
                 last_seqs[item.worker] = item.seq
         for worker, seq in last_seqs.items():
             self._metrics.worker_last_seq.labels(worker).set(seq)
-        self._rewrite_refused_states(chunk, refused)
+        self._settle_states(chunk, refused)
         self._count_produced(chunk.records, refused)
 
-    def _rewrite_refused_states(self, chunk: _Chunk, refused: set[int]) -> None:
-        """Have the board write the chunk's refused states again (it marked them written when
-        the chunk took them, and a lost ``retired`` or ``degraded`` would never be): with the
-        next chunk, or within the state interval, so that a partition refusing everything is
-        not retried in a busy loop."""
+    def _settle_states(self, chunk: _Chunk, refused: set[int]) -> None:
+        """Tell the board how the chunk's states settled: it writes refused ones again (it
+        marked them written when the chunk took them, and a lost ``retired`` or ``degraded``
+        would never be), with the next chunk or within the state interval, so that a partition
+        refusing everything is not retried in a busy loop."""
         first = len(chunk.records) - len(chunk.states)
         for index, state in enumerate(chunk.states, first):
-            if index in refused:
-                self._board.refused(state)
+            self._board.settled(state, refused=index in refused)
 
     def _refuse(self, item: Outgoing) -> None:
         worker = item.worker

@@ -152,3 +152,34 @@ async def test_a_refusal_reported_while_a_channel_closes_starts_no_fetch(
             await closing
             fetches = [t for t in asyncio.all_tasks() if "WorkerChannel._fetch" in repr(t)]
             assert fetches == []
+
+
+async def test_a_refusal_reported_while_a_reload_closes_the_channel_moves_the_engine_on(
+    kafka_bootstrap: str,
+) -> None:
+    """The reloaded engine goes on from its position, read once its old channel is closed: a
+    refusal reported in between (injected into the close here) opened epoch 1, whose clear is
+    queued, and the engine must go on in epoch 1, not in epoch 0, whose later records consumers
+    would ignore after that clear."""
+    engine = EngineThread("engine-a")
+    settings = settings_for(kafka_bootstrap)
+    log = KafkaLog(kafka_bootstrap, settings.topics)
+    with engines_running(engine):
+        async with running_bridge(settings, [engine.config]) as bridge:
+            await engine.published_all(3)
+            await metric_reaches(bridge, "hmakv_bridge_worker_last_seq", 3, worker="engine-a")
+            channel = bridge._channels["engine-a"]
+            close = channel.close
+
+            async def close_with_a_refusal_meanwhile() -> None:
+                channel.on_refused(0, 3)
+                await close()
+
+            channel.close = close_with_a_refusal_meanwhile  # type: ignore[method-assign]
+            groups = {0: GroupSpec("full_attention", 4)}
+            await bridge.reload([dataclasses.replace(engine.config, groups=groups)])
+            await engine.published_all(3)
+            await log.wait_for(lambda log: log.has_seq("engine-a", 6), "the steps after reload")
+    for group in GROUPS:
+        epochs = [r.epoch for r in log.records_of("engine-a") if r.group_idx == group]
+        assert epochs == sorted(epochs) and epochs[-1] == 1

@@ -256,6 +256,40 @@ async def test_a_refused_retired_state_is_written_again() -> None:
     assert producer.states_taken() == [(0, "live"), (0, "retired")]
 
 
+class LateStatesProducer(StatesProducer):
+    """Settles each record batch 30 ms after the hand-over, so that two are in flight."""
+
+    async def send_batch(self, batch: BatchBuilder, topic: str, *, partition: int) -> object:
+        answered = await super().send_batch(batch, topic, partition=partition)
+        outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        error = answered.exception()  # type: ignore[attr-defined]
+        settle = outcome.set_exception if error else outcome.set_result
+        asyncio.get_running_loop().call_later(0.03, settle, error)
+        return outcome
+
+
+async def test_of_two_refused_states_of_a_retired_worker_the_newer_is_written_again() -> None:
+    """Refused chunks settle oldest first: the ``degraded`` state, then the ``retired`` one.
+    Putting back the first and then skipping the second as "one waits already" lost the
+    retirement, and writing an older state after the newer one would take its place in the
+    compacted topic."""
+    producer = LateStatesProducer({1, 2}, [])  # the 2nd and 3rd state batches are refused
+    board, sink = states_sink(producer)
+    sink.start()
+    sink.state_changed()
+    await asyncio.sleep(0.1)
+    board.set_health("w", "degraded")
+    sink.state_changed()
+    await asyncio.sleep(0.005)  # handed over, refused at 30 ms
+    board.retire("w", 0, time.time())
+    sink.state_changed()
+    await asyncio.sleep(0.005)  # handed over too (two chunks in flight), refused at 30 ms
+    await asyncio.sleep(0.3)
+    await asyncio.wait_for(sink.close(5.0), 10)
+    assert producer.workers_batches >= 4
+    assert producer.states_taken() == [(0, "live"), (0, "retired")]
+
+
 async def test_a_refused_health_is_written_again() -> None:
     """A ``degraded`` worker that Kafka never shows as such is served as complete."""
     producer = StatesProducer({1}, [])
@@ -355,12 +389,26 @@ async def test_nothing_is_handed_to_a_producer_after_its_refusal() -> None:
     assert all(not entry.startswith("old") for entry in log[1:])
 
 
+class RefusingEvents(StatesProducer):
+    """Refuses every record batch of the events topic for good; takes the workers topic's."""
+
+    def __init__(self, refused: set[int], log: list[tuple[str, list[bytes]]]) -> None:
+        super().__init__(refused, log)
+        self.events_refused = 0
+
+    async def send_batch(self, batch: BatchBuilder, topic: str, *, partition: int) -> object:
+        if topic != TOPICS.events:
+            return await super().send_batch(batch, topic, partition=partition)
+        self.events_refused += 1
+        outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        outcome.set_exception(NotLeaderForPartitionError())
+        return outcome
+
+
 async def test_a_worker_that_left_leaves_nothing_behind_in_the_sink() -> None:
     """llm-d pods come and go under new names: were each one's partitions and refused epoch
     kept after it left, the bridge's memory would grow with the churn."""
-    log: list[tuple[str, list[bytes]]] = []
-    producer = StatesProducer(set(), log)
-    producer.failures = {n: NotLeaderForPartitionError() for n in range(0, 200, 2)}  # events
+    producer = RefusingEvents(set(), [])
     board, sink = sink_for(producer, WorkerBoard())
     sink.start()
     for n in range(50):  # each pod retired when the next takes its place, as the service does
@@ -374,4 +422,5 @@ async def test_a_worker_that_left_leaves_nothing_behind_in_the_sink() -> None:
         sink.state_changed()
         await sink.wait_idle()
     await asyncio.wait_for(sink.close(5.0), 10)
+    assert producer.events_refused == 50  # each pod had a refused epoch to forget
     assert sink._partitions == {} and sink._refused_epoch == {}
