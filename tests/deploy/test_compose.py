@@ -21,7 +21,6 @@ import sys
 import sysconfig
 import threading
 import time
-import tomllib
 from collections import Counter
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import jsonschema
 import pytest
 import yaml
 
+from bridge.config import load_engines_file
 from hmakv.cli import build_parser
 from hmakv.kafka.jars import kafka_version
 from hmakv.kafka.process import free_port
@@ -524,20 +524,20 @@ def test_bridge_follows_every_engine_at_its_zmq_ports() -> None:
     bridge = SERVICES["bridge"]
     engines_file = host_path(bridge, service_env(bridge)["HMAKV_BRIDGE_ENGINES"])
     assert engines_file is not None
-    configured = tomllib.loads(engines_file.read_text())["engine"]
+    configured = load_engines_file(engines_file)  # the bridge's own reading of it
     engine_services = [name for name in HMAKV_SERVICES if subcommand_of(name) == "engine"]
-    assert sorted(entry["name"] for entry in configured) == sorted(engine_services)
+    assert sorted(engine.name for engine in configured) == sorted(engine_services)
     assert len(engine_services) >= 2
-    for entry in configured:
-        env = service_env(SERVICES[entry["name"]])
-        assert env["HMAKV_ENGINE_WORKER_NAME"] == entry["name"]
-        for key, variable in (
-            ("endpoint", "HMAKV_ENGINE_ENDPOINT"),
-            ("replay_endpoint", "HMAKV_ENGINE_REPLAY_ENDPOINT"),
+    for engine in configured:
+        env = service_env(SERVICES[engine.name])
+        assert env["HMAKV_ENGINE_WORKER_NAME"] == engine.name
+        for endpoint, variable in (
+            (engine.endpoint, "HMAKV_ENGINE_ENDPOINT"),
+            (engine.replay, "HMAKV_ENGINE_REPLAY_ENDPOINT"),
         ):
             match = _LISTEN_VALUE.match(env[variable])
-            assert match, f"{entry['name']}: {variable}={env[variable]} binds no port"
-            assert entry[key] == f"tcp://{entry['name']}:{match['port']}", entry
+            assert match, f"{engine.name}: {variable}={env[variable]} binds no port"
+            assert endpoint == f"tcp://{engine.name}:{match['port']}", engine
 
 
 def test_engines_run_both_profiles_on_cpu_without_the_model_by_default(
