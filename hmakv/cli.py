@@ -23,6 +23,18 @@ def subcommand_names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(hmakv.commands.__path__))
 
 
+def log_level(text: str) -> str:
+    """A logging level name in any case. As the ``type`` of ``--log-level`` it checks the
+    HMAKV_LOG_LEVEL default too (argparse converts string defaults), so a bad one is bad usage."""
+    name, levels = text.strip().upper(), logging.getLevelNamesMapping()
+    if name not in levels:
+        known = ", ".join(sorted(levels, key=levels.__getitem__))
+        raise argparse.ArgumentTypeError(
+            f"unknown level {text!r} (from --log-level or HMAKV_LOG_LEVEL); one of {known}"
+        )
+    return name
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hmakv",
@@ -30,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-level",
+        type=log_level,
         default=os.environ.get("HMAKV_LOG_LEVEL", "INFO"),
         help="logging level (env HMAKV_LOG_LEVEL, default INFO)",
     )
@@ -42,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -33,7 +33,7 @@ from hmakv.kafka import (
     local_broker,
     unique_topic,
 )
-from hmakv.kafka.process import group_is_running, stop_group
+from hmakv.kafka.process import group_is_running, start_time, stop_group
 
 BOTH_DISTS = [
     pytest.param(BrokerDist.TANSU, marks=pytest.mark.kafka, id="tansu"),
@@ -254,24 +254,144 @@ def test_cli_stop_and_status_with_no_broker(cli_env: dict[str, str]) -> None:
 def test_cli_forgets_a_broker_that_died_and_its_temporary_dir(cli_env: dict[str, str]) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
-    orphaned_dir = Path(cli_env["HMAKV_CACHE_DIR"]) / "orphaned-data"
-    orphaned_dir.mkdir()
-    state = {
-        "pid": dead.pid,
-        "dist": "tansu",
-        "bootstrap": "127.0.0.1:1",
-        "data_dir": str(orphaned_dir),
-        "owns_data_dir": True,
-    }
-    state_path = Path(cli_env["HMAKV_CACHE_DIR"]) / "run" / "kafka.json"
-    state_path.parent.mkdir()
-    state_path.write_text(json.dumps(state))
+    orphaned_dir, state = _tansu_record(cli_env, dead.pid)
+    state_path = _write_state(cli_env, json.dumps(state))
 
     assert _hmakv_kafka(cli_env, "status").returncode == 1
     stopped = _hmakv_kafka(cli_env, "stop")
     assert (stopped.returncode, stopped.stdout) == (0, "no broker running\n")
     assert not state_path.exists()
     assert not orphaned_dir.exists()
+
+
+def _tansu_record(env: dict[str, str], pid: int) -> tuple[Path, dict[str, object]]:
+    """A record of a Tansu broker at ``pid`` with a temporary data dir (made here)."""
+    data_dir = Path(env["HMAKV_CACHE_DIR"]) / "orphaned-data"
+    data_dir.mkdir()
+    record: dict[str, object] = {
+        "pid": pid,
+        "dist": "tansu",
+        "bootstrap": "127.0.0.1:1",
+        "data_dir": str(data_dir),
+        "owns_data_dir": True,
+    }
+    return data_dir, record
+
+
+def _write_state(env: dict[str, str], text: str) -> Path:
+    state_path = Path(env["HMAKV_CACHE_DIR"]) / "run" / "kafka.json"
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    state_path.write_text(text)
+    return state_path
+
+
+@pytest.fixture
+def stranger() -> Iterator[subprocess.Popen[bytes]]:
+    """A process leading its own group, like a shell's job: what a broker's pid may go to."""
+    process = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    yield process
+    process.kill()
+    process.wait()
+
+
+@pytest.mark.parametrize("recorded_start", ["earlier", "not recorded"])
+def test_cli_stop_never_signals_a_process_that_took_the_brokers_pid(
+    cli_env: dict[str, str], stranger: subprocess.Popen[bytes], recorded_start: str
+) -> None:
+    """Once the broker is gone its pid is free; a group leader holding it now is a stranger,
+    whether the record has the broker's start time or (written by older code) none."""
+    orphaned_dir, state = _tansu_record(cli_env, stranger.pid)
+    if recorded_start == "earlier":
+        state["start_time"] = (start_time(stranger.pid) or 1) - 1
+    state_path = _write_state(cli_env, json.dumps(state))
+
+    stopped = _hmakv_kafka(cli_env, "stop")
+
+    assert (stopped.returncode, stopped.stdout) == (0, "no broker running\n")
+    assert stranger.poll() is None, "stop signalled a process that is not the broker"
+    assert not state_path.exists()
+    assert not orphaned_dir.exists()
+
+
+@pytest.mark.kafka
+def test_cli_start_is_not_refused_by_a_record_of_a_reused_pid(
+    cli_env: dict[str, str], stranger: subprocess.Popen[bytes]
+) -> None:
+    """The "already runs" check must not take a stranger holding the old pid for the broker."""
+    state = {"pid": stranger.pid, "dist": "tansu", "bootstrap": "127.0.0.1:1",
+             "data_dir": "/nonexistent", "owns_data_dir": False, "start_time": 1}  # fmt: skip
+    _write_state(cli_env, json.dumps(state))
+
+    started = _hmakv_kafka(cli_env, "start", "--dist", "tansu")
+
+    assert started.returncode == 0, started.stderr
+    assert int(str(_recorded_state(cli_env)["pid"])) != stranger.pid
+    assert stranger.poll() is None
+
+
+@pytest.mark.kafka
+def test_cli_still_stops_a_broker_recorded_without_its_start_time(
+    cli_env: dict[str, str],
+) -> None:
+    """Records written before the start time was kept stay usable: the broker's command line
+    (Tansu's names its address) identifies it instead."""
+    started = _hmakv_kafka(cli_env, "start", "--dist", "tansu")
+    assert started.returncode == 0, started.stderr
+    state = _recorded_state(cli_env)
+    pid = int(str(state["pid"]))
+    assert state.pop("start_time") == start_time(pid)
+    _write_state(cli_env, json.dumps(state))
+
+    assert _hmakv_kafka(cli_env, "status").returncode == 0
+    stopped = _hmakv_kafka(cli_env, "stop")
+    assert stopped.returncode == 0
+    assert stopped.stdout.startswith("stopped the tansu broker")
+    assert not group_is_running(pid)
+
+
+@pytest.mark.parametrize("action", ["status", "stop", "start"])
+@pytest.mark.parametrize(
+    "text", ["", "{", "[]", json.dumps({"pid": 1, "dist": "tansu"})],
+    ids=["empty", "cut-short", "not-an-object", "older-format"],
+)  # fmt: skip
+def test_cli_names_an_unreadable_state_file_and_leaves_it(
+    cli_env: dict[str, str], action: str, text: str
+) -> None:
+    """A broker the file once described may still run, so it is not silently dropped: the
+    command fails with one line naming the file and what to do, never a traceback."""
+    state_path = _write_state(cli_env, text)
+
+    done = _hmakv_kafka(cli_env, action)
+
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert f"{state_path} is not a readable broker record" in done.stderr
+    assert "then delete the file" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert state_path.read_text() == text
+
+
+def test_cli_start_refuses_a_file_as_its_data_dir(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """A data dir that is a file is bad input: exit 2 naming it, not an OSError traceback."""
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+
+    done = _hmakv_kafka(cli_env, "start", "--dist", "tansu", "--data-dir", str(a_file))
+
+    assert done.returncode == 2
+    assert f"--data-dir: {a_file} exists and is not a directory" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_data_dir_that_cannot_be_made_is_a_start_error(tmp_path: Path) -> None:
+    """Callers (``hmakv kafka start``, the demo) report BrokerStartError; an OSError from
+    making the data dir would reach the user as a traceback."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    broker = TansuBroker(data_dir=a_file / "kafka")
+    with pytest.raises(BrokerStartError, match=f"could not be started in {a_file / 'kafka'}"):
+        broker.start()
+    assert a_file.read_text() == "x"
 
 
 @pytest.mark.apache

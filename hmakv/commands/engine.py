@@ -27,8 +27,8 @@ from hmakv.argtypes import (
     positive_float,
     positive_int,
 )
-from producer.engine.profiles import PROFILES
-from producer.engine.workloads import WORKLOADS
+from producer.engine.profiles import PROFILES, UnknownProfile
+from producer.engine.workloads import WORKLOADS, UnknownWorkload
 
 EXIT_OK = 0
 EXIT_RUNTIME_FAILURE = 1
@@ -210,7 +210,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except (OSError, RuntimeError) as error:
         return _fail(f"cannot start the engine: {error}", EXIT_RUNTIME_FAILURE)
-    except ValueError as error:
+    except (ValueError, UnknownProfile, UnknownWorkload) as error:
+        # argparse checks --profile and --workload against their choices, but not a default
+        # taken from HMAKV_ENGINE_PROFILE or _WORKLOAD: the engine's lookup is the check then.
         return _fail(str(error), EXIT_BAD_USAGE)
     with _stop_on_signals(engine.request_stop):
         summary = engine.run()

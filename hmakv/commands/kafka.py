@@ -3,15 +3,20 @@
 ``start`` prints only the bootstrap address on stdout, so ``BOOTSTRAP=$(hmakv kafka start)`` works.
 One detached broker per cache dir (``HMAKV_CACHE_DIR``); its state file is what ``status`` and
 ``stop`` read. Exit codes: 0 done (``stop`` with nothing running included), 1 failed or, for
-``status``, not running; 2 bad usage.
+``status``, not running; 2 bad usage. A state file that is not a readable record (empty, cut
+short, an older format) is an error naming it, exit 1, and is left for the user to delete: a
+broker it once described may still run. A record whose pid now belongs to another process (the
+broker's start time, kept in the record, differs) is stale and cleaned up like a dead broker's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -21,6 +26,7 @@ from hmakv.kafka import (
     DetachedBroker,
     JarFetchError,
     LocalBroker,
+    StateFileError,
     broker_answers,
     default_dist,
     fetch_jars,
@@ -65,7 +71,7 @@ def _add_start(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     start_parser.add_argument("--port", type=int, help="listener port (default: a free one)")
     start_parser.add_argument(
         "--data-dir",
-        type=Path,
+        type=_directory,
         help="keep config, log and (Apache) topics here; default: a temporary dir `stop` removes",
     )
     start_parser.add_argument(
@@ -79,6 +85,32 @@ def _add_start(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     start_parser.set_defaults(func=start)
 
 
+def _directory(text: str) -> Path:
+    """A path that is a directory or can become one: a file there is bad input (exit 2)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return path
+
+
+Action = Callable[[argparse.Namespace], int]
+
+
+def _unreadable_state_fails(action: Action) -> Action:
+    """An unreadable state file ends ``action`` with its one-line message and exit 1."""
+
+    @functools.wraps(action)
+    def guarded(args: argparse.Namespace) -> int:
+        try:
+            return action(args)
+        except StateFileError as error:
+            log.error("%s", error)
+            return 1
+
+    return guarded
+
+
+@_unreadable_state_fails
 def start(args: argparse.Namespace) -> int:
     try:
         dist = args.dist or default_dist()
@@ -148,6 +180,7 @@ def _serve(broker: LocalBroker) -> int:
     return 1
 
 
+@_unreadable_state_fails
 def stop(args: argparse.Namespace) -> int:
     running = _recorded_running_broker()
     if running is None:
@@ -159,6 +192,7 @@ def stop(args: argparse.Namespace) -> int:
     return 0
 
 
+@_unreadable_state_fails
 def status(args: argparse.Namespace) -> int:
     running = _recorded_running_broker()
     if running is None:

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+EXIT_BAD_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 STARTUP_TIMEOUT_S = 180.0
@@ -138,7 +139,11 @@ class Demo:
         return time.monotonic() - self._run_started
 
     async def run(self) -> int:
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a file there, no permission: the user's path to fix
+            print(f"hmakv demo: cannot use {self.workdir} as the workdir: {error}", file=sys.stderr)
+            return EXIT_BAD_USAGE
         self.say(f"hmakv demo: logs in {self.workdir}")
         if self.config.use_model and not self.use_model:
             self.say("torch is not installed: the engines run without their model (--no-model)")
@@ -163,6 +168,7 @@ class Demo:
         finally:
             await http.close()
             self._stop_everything()
+            await self._delete_topics()  # a failed or interrupted run's topics too
 
     async def _run(self, http: Http) -> int:
         engines = [
@@ -207,7 +213,6 @@ class Demo:
         last = await monitor.sample(engines_running=False)
         summary = self._summarise(first, last, prober, run_s, exits)
         await asyncio.to_thread(self._stop_everything)
-        await self._delete_topics()
         return self._finish(summary, monitor, prober)
 
     # ------------------------------------------------------------------------------ start
@@ -448,7 +453,7 @@ class Demo:
         return True
 
     def _stop_everything(self) -> None:
-        """Every child group (reverse start order), the broker, and an external run's topics."""
+        """Every child group (reverse start order), then the embedded broker."""
         if self.children.started:
             self.children.stop_all(STOP_GRACE_S)
         if self.broker is not None:
@@ -457,8 +462,9 @@ class Demo:
             self.broker = None
 
     async def _delete_topics(self) -> None:
-        """On an existing cluster, remove the topics this run created (its prefix is its own)."""
-        if self.config.embedded_broker is not None:
+        """On an existing cluster, remove the topics this run created (its prefix is its own),
+        however the run ended: nobody else would ever delete them."""
+        if self.config.embedded_broker is not None or not self.bootstrap:
             return
         topics = [f"{self.topic_prefix}.{kind}" for kind in ("events", "workers", "deadletter")]
         try:

@@ -12,7 +12,13 @@ from hmakv.kafka.broker import (
 )
 from hmakv.kafka.jars import JarFetchError, cache_dir, fetch_jars, jars_dir, kafka_version
 from hmakv.kafka.probe import broker_answers
-from hmakv.kafka.state import BrokerDist, DetachedBroker, default_dist, state_file
+from hmakv.kafka.state import (
+    BrokerDist,
+    DetachedBroker,
+    StateFileError,
+    default_dist,
+    state_file,
+)
 from hmakv.kafka.topics import unique_topic
 
 __all__ = [
@@ -22,6 +28,7 @@ __all__ = [
     "DetachedBroker",
     "JarFetchError",
     "LocalBroker",
+    "StateFileError",
     "TansuBroker",
     "broker_answers",
     "cache_dir",

@@ -28,7 +28,14 @@ from typing import ClassVar, Self
 
 from hmakv.kafka.jars import fetch_jars
 from hmakv.kafka.probe import broker_answers
-from hmakv.kafka.process import LOOPBACK, free_port, log_tail, spawn_group, stop_group
+from hmakv.kafka.process import (
+    LOOPBACK,
+    free_port,
+    log_tail,
+    spawn_group,
+    start_time,
+    stop_group,
+)
 from hmakv.kafka.state import BrokerDist, DetachedBroker
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
@@ -132,6 +139,7 @@ class LocalBroker(ABC):
             bootstrap=self.bootstrap,
             data_dir=self.data_dir,
             owns_data_dir=self._given_data_dir is None,
+            started=start_time(self.pid),
         )
 
     def stop(self) -> None:
@@ -172,19 +180,28 @@ class LocalBroker(ABC):
             tempfile.mkdtemp(prefix=f"hmakv-kafka-{self.dist}-")
         )
         try:
-            self._data_dir.mkdir(parents=True, exist_ok=True)
-            command = self._prepare(self._data_dir)
-            self._process = spawn_group(
-                command,
-                log_path=self.log_path,
-                cwd=self._data_dir,
-                die_with_parent=die_with_parent,
-                env_overrides=self.env_overrides,
-            )
+            self._process = self._spawn(self._data_dir, die_with_parent=die_with_parent)
             self._wait_until_ready(self._process)
         except BaseException:
             self.stop()
             raise
+
+    def _spawn(self, data_dir: Path, *, die_with_parent: bool) -> subprocess.Popen[bytes]:
+        """Make the data dir, write the config, start the process. An unusable data dir (a file,
+        no permission) is a BrokerStartError naming it: the caller's to fix, not a traceback."""
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            return spawn_group(
+                self._prepare(data_dir),
+                log_path=self.log_path,
+                cwd=data_dir,
+                die_with_parent=die_with_parent,
+                env_overrides=self.env_overrides,
+            )
+        except OSError as error:
+            raise BrokerStartError(
+                f"the {self.dist} broker could not be started in {data_dir}: {error}"
+            ) from error
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self._startup_timeout_s

@@ -134,7 +134,7 @@ def group_is_running(pgid: int) -> bool:
 
 
 def _leader_alive(pid: int) -> bool:
-    if _PROC.joinpath("self").is_dir():
+    if has_proc():
         return _proc_state(pid) not in (None, "Z", "X")
     try:
         os.kill(pid, 0)
@@ -146,9 +146,43 @@ def _leader_alive(pid: int) -> bool:
 
 
 def _proc_state(pid: int) -> str | None:
-    """The state letter from ``/proc/<pid>/stat`` (after the parenthesised command name)."""
+    """The state letter from ``/proc/<pid>/stat``."""
+    fields = _proc_stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def has_proc() -> bool:
+    """Whether this system has Linux's ``/proc``, where a pid can be told from its successor."""
+    return _PROC.joinpath("self").is_dir()
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks after boot (``/proc/<pid>/stat`` field 22); None if
+    there is no such process (or no ``/proc``).
+
+    A pid is recycled, a pid with its start time is not: a record keeping both names one process.
+    """
+    fields = _proc_stat_fields(pid)
     try:
-        return _PROC.joinpath(str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0]
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def command_line(pid: int) -> str | None:
+    """``pid``'s arguments joined by spaces, from ``/proc/<pid>/cmdline``; None if unreadable."""
+    try:
+        raw = _PROC.joinpath(str(pid), "cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def _proc_stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from field 3 (the state) on: the command name before it, in
+    parentheses, may itself hold spaces and parentheses."""
+    try:
+        return _PROC.joinpath(str(pid), "stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
 

@@ -2,7 +2,11 @@
 
 ``hmakv kafka start`` returns while the broker keeps running; ``status`` and ``stop`` are later,
 separate processes. The state file is all they share, so it records everything needed to find,
-stop and clean up the broker: its process group, address and data dir.
+stop and clean up the broker: its process group, address and data dir, and the broker process's
+start time. The pid alone is not enough: once the broker is gone Linux may hand it to another
+process, which may even lead a process group of its own, and ``stop`` must never signal that.
+Records written before the start time was kept are checked by the broker's command line instead,
+which names its address (Tansu) or its data dir (Apache).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from hmakv.kafka.jars import cache_dir
-from hmakv.kafka.process import group_is_running, stop_group
+from hmakv.kafka.process import command_line, group_is_running, has_proc, start_time, stop_group
 
 
 class BrokerDist(StrEnum):
@@ -35,6 +39,20 @@ def state_file() -> Path:
     return cache_dir() / "run" / "kafka.json"
 
 
+class StateFileError(ValueError):
+    """The state file exists but is no broker record (empty, truncated, an older format).
+
+    Not removed automatically: a broker it once described may still run, and only the user can
+    tell; the message names the file and what to do.
+    """
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(
+            f"{path} is not a readable broker record ({reason}); stop any broker it may "
+            f"describe by hand, then delete the file"
+        )
+
+
 @dataclass(frozen=True)
 class DetachedBroker:
     """A running broker nobody holds a process handle for: stopped by its process group id."""
@@ -44,9 +62,18 @@ class DetachedBroker:
     bootstrap: str
     data_dir: Path
     owns_data_dir: bool
+    started: int | None = None  # the broker's start_time(); None in records from before it
 
     def is_running(self) -> bool:
-        return group_is_running(self.pid)
+        """Whether the recorded broker itself still runs, not a process that inherited its pid."""
+        if not group_is_running(self.pid):
+            return False
+        if not has_proc():
+            return True  # nothing to tell a pid's processes apart by: trust the group, as before
+        if self.started is not None:
+            return start_time(self.pid) == self.started
+        command = command_line(self.pid) or ""
+        return self.bootstrap in command or str(self.data_dir) in command
 
     def stop(self) -> None:
         """Stop the process group and remove the data dir if it was a temporary one."""
@@ -63,18 +90,25 @@ class DetachedBroker:
 
     @classmethod
     def load(cls, path: Path) -> DetachedBroker | None:
-        """The recorded broker, or None when nothing was recorded."""
+        """The recorded broker, or None when nothing was recorded; StateFileError if the file
+        is there but cannot be read as a record."""
         try:
             fields = json.loads(path.read_text())
+            started = fields.get("start_time")
+            return cls(
+                pid=int(fields["pid"]),
+                dist=BrokerDist(fields["dist"]),
+                bootstrap=str(fields["bootstrap"]),
+                data_dir=Path(fields["data_dir"]),
+                owns_data_dir=bool(fields["owns_data_dir"]),
+                started=None if started is None else int(started),
+            )
         except FileNotFoundError:
             return None
-        return cls(
-            pid=int(fields["pid"]),
-            dist=BrokerDist(fields["dist"]),
-            bootstrap=str(fields["bootstrap"]),
-            data_dir=Path(fields["data_dir"]),
-            owns_data_dir=bool(fields["owns_data_dir"]),
-        )
+        except KeyError as missing:
+            raise StateFileError(path, f"no {missing} field") from None
+        except (OSError, ValueError, TypeError, AttributeError) as error:
+            raise StateFileError(path, str(error) or type(error).__name__) from None
 
     def _as_json(self) -> dict[str, object]:
         return {
@@ -83,4 +117,5 @@ class DetachedBroker:
             "bootstrap": self.bootstrap,
             "data_dir": str(self.data_dir),
             "owns_data_dir": self.owns_data_dir,
+            "start_time": self.started,
         }

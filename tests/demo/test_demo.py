@@ -7,6 +7,7 @@ bounded polls, never fixed sleeps, and no check is about how fast anything was.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -20,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
 
 from hmakv.demo.report import PLOTS
 from hmakv.demo.services import Services, read_services
+from hmakv.kafka import TansuBroker
 
 HMAKV = Path(sys.executable).with_name("hmakv")
 RUN_S = 20
@@ -239,3 +242,34 @@ def test_ctrl_c_mid_run_stops_everything_and_still_summarises(tmp_path: Path) ->
     assert summary["interrupted"] is True
     assert summary["pipeline"]["lost"] == 0, summary["pipeline"]
     assert leftovers(services) == []
+
+
+async def _demo_topics(bootstrap: str) -> set[str]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return {topic for topic in await admin.list_topics() if topic.startswith("hmakv-demo-")}
+    finally:
+        await admin.close()
+
+
+@pytest.mark.kafka
+def test_a_failed_run_on_an_existing_cluster_removes_its_topics(tmp_path: Path) -> None:
+    """Nobody else knows the run's random topic prefix, so topics a failed run leaves on the
+    user's cluster stay there for good. The index refuses its hash function (exit 2) once the
+    bridge has made the topics."""
+    workdir, output = tmp_path / "work", tmp_path / "output.txt"
+    with TansuBroker() as broker:
+        with output.open("wb") as sink:
+            process = subprocess.Popen(
+                demo_command(workdir, "--kafka", broker.bootstrap, "--duration", "5"),
+                env={**os.environ, "HMAKV_INDEX_HASH_FN": "bogus"},
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        returncode = finish(process, output)
+        left = asyncio.run(_demo_topics(broker.bootstrap))
+    text = output.read_text()
+    assert returncode == 1, text
+    assert "index exited with code 2" in text, text
+    assert left == set(), text

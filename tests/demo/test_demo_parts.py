@@ -224,3 +224,20 @@ def test_chosen_engines_get_names_seeds_and_the_demos_pool_sizes() -> None:
         ("engine-b", "mamba-hybrid-like", 8, 64),
     ]
     assert engine_lineup(6, 0) == chosen_engines(ENGINE_LINEUP, 0)
+
+
+def test_a_workdir_that_cannot_be_made_is_bad_usage(tmp_path: Path) -> None:
+    """``--workdir`` is the user's path: a file there is a one-line error (exit 2) before
+    anything starts, not an OSError traceback."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    done = subprocess.run(
+        [str(HMAKV), "demo", "--no-model", "--duration", "1", "--workdir", str(a_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"hmakv demo: cannot use {a_file} as the workdir" in done.stderr
+    assert "Traceback" not in done.stderr
