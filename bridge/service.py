@@ -235,6 +235,9 @@ class BridgeService:
         """
         check_topology(self.settings, engines)
         async with self._reloading:
+            if not self._started:  # start() was stopped before it finished: nothing to reload
+                log.warning("engines not reloaded: the bridge has not started")
+                return
             await self._follow(engines, fleet)
 
     async def _follow(self, engines: list[EngineConfig], fleet: Collection[str] | None) -> None:

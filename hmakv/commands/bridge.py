@@ -73,6 +73,9 @@ examples:
   hmakv bridge --bind-sub 'tcp://*:5557' --kafka kafka:9092"""
 
 
+LOG_FORMATS = ("text", "json")
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "bridge",
@@ -234,7 +237,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add(
         "--log-format",
-        choices=("text", "json"),
+        choices=LOG_FORMATS,
         default=env("HMAKV_LOG_FORMAT", "text"),
         help="log lines as text or as JSON objects (env HMAKV_LOG_FORMAT, default text)",
     )
@@ -246,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
         settings = _settings(args)
         engines = _engines(args)
         check_topology(settings, engines)
+        if args.log_format not in LOG_FORMATS:  # argparse checks the flag, not its env default
+            raise ConfigError(f"log format must be one of {LOG_FORMATS}, not {args.log_format!r}")
     except (ConfigError, ValueError) as error:
         print(f"hmakv bridge: {error}", file=sys.stderr)
         return EXIT_BAD_CONFIG

@@ -296,3 +296,23 @@ def test_sighup_without_an_engines_file_does_not_end_the_bridge(tmp_path: Path) 
         assert bridge.wait() == 0
     finally:
         bridge.kill()
+
+
+def test_a_log_format_from_the_environment_is_checked_like_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HMAKV_LOG_FORMAT", "yaml")
+    assert main(["bridge", "--engine", "a=tcp://h:1"]) == 2
+    assert "log format" in capsys.readouterr().err
+
+
+async def test_a_reload_of_a_bridge_that_never_started_does_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SIGTERM during start (Kafka not answering) cancels it; a SIGHUP queued behind it must
+    not run on a bridge without Kafka (it failed an assertion in a task nobody awaited)."""
+    service = BridgeService(BridgeSettings(kafka="127.0.0.1:1"), [])
+    with caplog.at_level(logging.WARNING, logger="bridge.service"):
+        await service.reload([EngineConfig("a", "tcp://127.0.0.1:1")])
+    assert "has not started" in caplog.text
+    assert service.readiness().sources == {}
