@@ -14,6 +14,8 @@ import os
 import signal
 import socket
 
+from aiokafka.errors import KafkaConnectionError
+
 from bridge.kafka_client import KafkaSecurity
 from bridge.records import Topics
 from consumers.api import ApiLimits, HashingDefaults
@@ -236,6 +238,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_USAGE
     try:
         asyncio.run(_serve(config))
+    except KafkaConnectionError as exc:  # an outage, not a bug: one line, for its supervisor
+        log.error("the index stopped: %s (Kafka at %s)", exc, config.follower.bootstrap)
+        return EXIT_RUNTIME_FAILURE
     except Exception:
         log.exception("the index stopped on an error")
         return EXIT_RUNTIME_FAILURE

@@ -160,3 +160,17 @@ def test_bad_options_from_the_environment_are_usage_errors(variable: str, value:
     )
     assert result.returncode == 2, result.stderr
     assert value in result.stderr
+
+
+def test_kafka_out_of_reach_at_start_is_one_line_and_exit_1() -> None:
+    """An outage, not a bug: the supervisor restarts the index; no traceback to read through."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hmakv.cli", "index", "--kafka", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=EXIT_TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "the index stopped" in result.stderr and "127.0.0.1:1" in result.stderr
