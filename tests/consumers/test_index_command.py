@@ -109,16 +109,21 @@ async def test_sigterm_snapshots_and_a_restart_after_sigkill_reads_only_what_is_
             assert await index.workers() == expected
 
 
-def test_missing_kafka_address_is_a_usage_error(tmp_path: Path) -> None:
-    env = {key: value for key, value in os.environ.items() if key != "HMAKV_KAFKA_BOOTSTRAP"}
-    result = subprocess.run(
-        [sys.executable, "-m", "hmakv.cli", "index", "--snapshot-to", "none"],
+def run_index(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``hmakv index`` as a process, to its exit."""
+    return subprocess.run(
+        [sys.executable, "-m", "hmakv.cli", "index", *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=EXIT_TIMEOUT_S,
         check=False,
     )
+
+
+def test_missing_kafka_address_is_a_usage_error(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "HMAKV_KAFKA_BOOTSTRAP"}
+    result = run_index("--snapshot-to", "none", env=env)
     assert result.returncode == 2
     assert "--kafka" in result.stderr
 
@@ -134,13 +139,7 @@ def test_missing_kafka_address_is_a_usage_error(tmp_path: Path) -> None:
     ],
 )
 def test_bad_options_are_usage_errors(argument: list[str]) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "hmakv.cli", "index", "--kafka", "127.0.0.1:1", *argument],
-        capture_output=True,
-        text=True,
-        timeout=EXIT_TIMEOUT_S,
-        check=False,
-    )
+    result = run_index("--kafka", "127.0.0.1:1", *argument)
     assert result.returncode == 2, result.stderr
 
 
@@ -150,27 +149,14 @@ def test_bad_options_are_usage_errors(argument: list[str]) -> None:
 )
 def test_bad_options_from_the_environment_are_usage_errors(variable: str, value: str) -> None:
     """argparse checks an option's choices, not a default that came from the environment."""
-    result = subprocess.run(
-        [sys.executable, "-m", "hmakv.cli", "index", "--kafka", "127.0.0.1:1"],
-        env={**os.environ, variable: value},
-        capture_output=True,
-        text=True,
-        timeout=EXIT_TIMEOUT_S,
-        check=False,
-    )
+    result = run_index("--kafka", "127.0.0.1:1", env={**os.environ, variable: value})
     assert result.returncode == 2, result.stderr
     assert value in result.stderr
 
 
 def test_kafka_out_of_reach_at_start_is_one_line_and_exit_1() -> None:
     """An outage, not a bug: the supervisor restarts the index; no traceback to read through."""
-    result = subprocess.run(
-        [sys.executable, "-m", "hmakv.cli", "index", "--kafka", "127.0.0.1:1"],
-        capture_output=True,
-        text=True,
-        timeout=EXIT_TIMEOUT_S,
-        check=False,
-    )
+    result = run_index("--kafka", "127.0.0.1:1")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "the index stopped" in result.stderr and "127.0.0.1:1" in result.stderr
