@@ -103,12 +103,13 @@ async def test_a_delivery_loop_that_fails_stops_the_bridge_being_ready(
             assert not bridge.readiness().ready
 
 
-async def test_an_engine_reloaded_while_its_new_epoch_is_queued_goes_on_in_that_epoch(
-    kafka_bootstrap: str,
+@pytest.mark.parametrize("refused", ["before the reload", "while the reload closes its channel"])
+async def test_an_engine_reloaded_after_a_refusal_goes_on_in_the_refusals_epoch(
+    kafka_bootstrap: str, refused: str
 ) -> None:
-    """A reload restarts a changed engine from its position. A refusal just seen (made here by
-    telling the worker's channel directly, no broker refusing on cue) has opened epoch 1, its
-    clear still queued when the reload reads the position: the engine must go on in epoch 1,
+    """A reload restarts a changed engine from its position. A refusal (told to the worker's
+    channel directly, no broker refusing on cue), seen before the reload or while it closes the
+    old channel, has opened epoch 1, its clear still queued: the engine must go on in epoch 1,
     whose clear consumers will see, not in epoch 0, whose records they would then ignore."""
     engine = EngineThread("engine-a")
     settings = settings_for(kafka_bootstrap)
@@ -117,7 +118,17 @@ async def test_an_engine_reloaded_while_its_new_epoch_is_queued_goes_on_in_that_
         async with running_bridge(settings, [engine.config]) as bridge:
             await engine.published_all(3)
             await metric_reaches(bridge, "hmakv_bridge_worker_last_seq", 3, worker="engine-a")
-            bridge._channels["engine-a"].on_refused(0, 3)
+            channel = bridge._channels["engine-a"]
+            if refused == "before the reload":
+                channel.on_refused(0, 3)
+            else:
+                close = channel.close
+
+                async def close_with_a_refusal_meanwhile() -> None:
+                    channel.on_refused(0, 3)
+                    await close()
+
+                channel.close = close_with_a_refusal_meanwhile  # type: ignore[method-assign]
             groups = {0: GroupSpec("full_attention", 4)}
             await bridge.reload([dataclasses.replace(engine.config, groups=groups)])
             await engine.published_all(3)
@@ -152,34 +163,3 @@ async def test_a_refusal_reported_while_a_channel_closes_starts_no_fetch(
             await closing
             fetches = [t for t in asyncio.all_tasks() if "WorkerChannel._fetch" in repr(t)]
             assert fetches == []
-
-
-async def test_a_refusal_reported_while_a_reload_closes_the_channel_moves_the_engine_on(
-    kafka_bootstrap: str,
-) -> None:
-    """The reloaded engine goes on from its position, read once its old channel is closed: a
-    refusal reported in between (injected into the close here) opened epoch 1, whose clear is
-    queued, and the engine must go on in epoch 1, not in epoch 0, whose later records consumers
-    would ignore after that clear."""
-    engine = EngineThread("engine-a")
-    settings = settings_for(kafka_bootstrap)
-    log = KafkaLog(kafka_bootstrap, settings.topics)
-    with engines_running(engine):
-        async with running_bridge(settings, [engine.config]) as bridge:
-            await engine.published_all(3)
-            await metric_reaches(bridge, "hmakv_bridge_worker_last_seq", 3, worker="engine-a")
-            channel = bridge._channels["engine-a"]
-            close = channel.close
-
-            async def close_with_a_refusal_meanwhile() -> None:
-                channel.on_refused(0, 3)
-                await close()
-
-            channel.close = close_with_a_refusal_meanwhile  # type: ignore[method-assign]
-            groups = {0: GroupSpec("full_attention", 4)}
-            await bridge.reload([dataclasses.replace(engine.config, groups=groups)])
-            await engine.published_all(3)
-            await log.wait_for(lambda log: log.has_seq("engine-a", 6), "the steps after reload")
-    for group in GROUPS:
-        epochs = [r.epoch for r in log.records_of("engine-a") if r.group_idx == group]
-        assert epochs == sorted(epochs) and epochs[-1] == 1

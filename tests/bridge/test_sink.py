@@ -20,7 +20,7 @@ from aiokafka.record.memory_records import MemoryRecords
 from bridge.board import WorkerBoard, WorkerView
 from bridge.metrics import BridgeMetrics
 from bridge.outbox import KafkaRecord, Outgoing
-from bridge.records import DeadLetter, Topics, decode_worker_state, event_key
+from bridge.records import DeadLetter, Topics, WorkerState, decode_worker_state, event_key
 from bridge.sink import KafkaSink
 
 TOPICS = Topics("t")
@@ -208,18 +208,31 @@ class StatesProducer(ScriptedProducer):
             outcome.set_result(None)
         return outcome
 
-    def states_taken(self) -> list[tuple[int, str]]:
-        """(epoch, health) of each state Kafka took, in order."""
+    def states(self) -> list[WorkerState]:
+        """Each state Kafka took, in order."""
         return [
-            (state.epoch, state.health)
+            decode_worker_state(value)
             for event, values in self.log
             if event == f"took {TOPICS.workers}"
-            for state in map(decode_worker_state, values)
+            for value in values
         ]
+
+    def states_taken(self) -> list[tuple[int, str]]:
+        """(epoch, health) of each state Kafka took, in order."""
+        return [(state.epoch, state.health) for state in self.states()]
 
 
 def states_sink(producer: ScriptedProducer, **options: object) -> tuple[WorkerBoard, KafkaSink]:
     return sink_for(producer, state_interval=0.05, retry_backoff=0.01, **options)
+
+
+async def first_state_taken(producer: StatesProducer) -> tuple[WorkerBoard, KafkaSink]:
+    """A started sink once the worker's first (live) state has been handed over."""
+    board, sink = states_sink(producer)
+    sink.start()
+    sink.state_changed()
+    await asyncio.sleep(0.1)
+    return board, sink
 
 
 async def test_a_snapshots_position_is_no_resume_point() -> None:
@@ -232,12 +245,7 @@ async def test_a_snapshots_position_is_no_resume_point() -> None:
     sink.put(item(5))
     sink.put(item(8)._replace(ts=99.0, resumable=False))  # the engine's snapshot at seq 8
     await asyncio.wait_for(sink.close(5.0), 10)
-    [*_, last] = [
-        decode_worker_state(value)
-        for event, values in producer.log
-        if event == f"took {TOPICS.workers}"
-        for value in values
-    ]
+    last = producer.states()[-1]
     assert (last.last_seq, last.ts) == (5, 5.0)
 
 
@@ -245,10 +253,7 @@ async def test_a_refused_retired_state_is_written_again() -> None:
     """The board marks a state written when a chunk takes it: were a refused one not handed
     back, consumers would never learn that the worker left and would serve its cache on."""
     producer = StatesProducer({1}, [])  # the worker's first state is taken, the retired refused
-    board, sink = states_sink(producer)
-    sink.start()
-    sink.state_changed()
-    await asyncio.sleep(0.1)
+    board, sink = await first_state_taken(producer)
     board.retire("w", 0, time.time())
     sink.state_changed()
     await asyncio.sleep(0.2)
@@ -274,10 +279,7 @@ async def test_of_two_refused_states_of_a_retired_worker_the_newer_is_written_ag
     retirement, and writing an older state after the newer one would take its place in the
     compacted topic."""
     producer = LateStatesProducer({1, 2}, [])  # the 2nd and 3rd state batches are refused
-    board, sink = states_sink(producer)
-    sink.start()
-    sink.state_changed()
-    await asyncio.sleep(0.1)
+    board, sink = await first_state_taken(producer)
     board.set_health("w", "degraded")
     sink.state_changed()
     await asyncio.sleep(0.005)  # handed over, refused at 30 ms
@@ -293,10 +295,7 @@ async def test_of_two_refused_states_of_a_retired_worker_the_newer_is_written_ag
 async def test_a_refused_health_is_written_again() -> None:
     """A ``degraded`` worker that Kafka never shows as such is served as complete."""
     producer = StatesProducer({1}, [])
-    board, sink = states_sink(producer)
-    sink.start()
-    sink.state_changed()
-    await asyncio.sleep(0.1)
+    board, sink = await first_state_taken(producer)
     board.set_health("w", "degraded")
     sink.state_changed()
     await asyncio.sleep(0.2)
