@@ -190,6 +190,11 @@ class KafkaSink:
         for kept in [kept for kept in self._partitions if self._key_worker(*kept) == name]:
             del self._partitions[kept]
 
+    def _followed(self, topic: str, key: bytes) -> bool:
+        if topic == self._topics.deadletter:
+            return False
+        return self._key_worker(topic, key).decode() in self._board.views
+
     def _key_worker(self, topic: str, key: bytes) -> bytes:
         """Whose a kept key is: the workers topic's is the worker's name, the events topic's
         ``<worker>/<group>``."""
@@ -345,7 +350,6 @@ class KafkaSink:
         if (
             not self._queue
             and not self._preparing
-            and self._taken == 0
             and self._unsettled == 0
             and not self._board.dirty
         ):
@@ -379,19 +383,15 @@ class KafkaSink:
         states = self._board.due(time.time(), flush=flush_states)
         if not states and not items:
             return None
-        owned = [(item.worker, item.records) for item in items]
-        owned += [(state.worker, [self._state_record(state)]) for state in states]
-        chunk_records: list[KafkaRecord] = []
+        chunk_records = [record for item in items for record in item.records]
+        chunk_records += [self._state_record(state) for state in states]
         targets: dict[Target, list[int]] = defaultdict(list)
         known = self._partitions
-        for worker, worker_records in owned:
-            for record in worker_records:
-                partition = known.get((record.topic, record.key))
-                if partition is None:
-                    keep = worker is not None and worker in self._board.views
-                    partition = await self._partition(record.topic, record.key, keep=keep)
-                targets[(record.topic, partition)].append(len(chunk_records))
-                chunk_records.append(record)
+        for index, record in enumerate(chunk_records):
+            partition = known.get((record.topic, record.key))
+            if partition is None:
+                partition = await self._partition(record.topic, record.key)
+            targets[(record.topic, partition)].append(index)
         return _Chunk(items, chunk_records, states, dict(targets), time.monotonic())
 
     def _state_record(self, state: WorkerState) -> KafkaRecord:
@@ -472,10 +472,10 @@ class KafkaSink:
             each.close()  # nothing else may join it, and a closed batch does not linger
         return builders
 
-    async def _partition(self, topic: str, key: bytes, *, keep: bool) -> int:
-        """A new key's partition, where aiokafka's default partitioner puts it; kept (``keep``)
-        for the keys of workers followed, until the sink forgets the worker (a dead letter's key
-        is whatever arrived: not kept).
+    async def _partition(self, topic: str, key: bytes) -> int:
+        """A new key's partition, where aiokafka's default partitioner puts it; kept for the
+        keys of workers followed, until the sink forgets the worker (a dead letter's key is
+        whatever arrived: not kept).
 
         Kafka's metadata may be out of reach (an outage, a leader election): the chunk waits,
         as a send would, rather than its items being lost.
@@ -488,7 +488,7 @@ class KafkaSink:
                 await asyncio.sleep(self._retry_backoff)
                 continue
             partition = int(self._partitioner(key, partitions, partitions))
-            if keep:
+            if self._followed(topic, key):
                 self._partitions[(topic, key)] = partition
             return partition
 
