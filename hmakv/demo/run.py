@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 from aiokafka.errors import KafkaError
@@ -132,6 +133,22 @@ class Demo:
         self._started = time.time()
         self._run_started = time.monotonic()
 
+    def _unusable_path(self) -> str:
+        """The user's paths are made before anything starts, so a typo costs no run: what is
+        wrong with the first that cannot be, or nothing."""
+        json_path, report_dir = self.config.json_path, self.config.report_dir
+        wanted = [(self.workdir, "the workdir")]
+        wanted += [(json_path.parent, "the directory of --json")] if json_path else []
+        wanted += [(report_dir, "the --report directory")] if report_dir else []
+        for directory, what in wanted:
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as error:  # a file there, no permission: the user's path to fix
+                return f"cannot use {directory} as {what}: {error}"
+        if json_path is not None and json_path.is_dir():
+            return f"--json {json_path} is a directory: it names the summary file"
+        return ""
+
     def say(self, message: str) -> None:
         print(message, file=self.out, flush=True)
 
@@ -139,10 +156,9 @@ class Demo:
         return time.monotonic() - self._run_started
 
     async def run(self) -> int:
-        try:
-            self.workdir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:  # a file there, no permission: the user's path to fix
-            print(f"hmakv demo: cannot use {self.workdir} as the workdir: {error}", file=sys.stderr)
+        unusable = self._unusable_path()
+        if unusable:
+            print(f"hmakv demo: {unusable}", file=sys.stderr)
             return EXIT_BAD_USAGE
         self.say(f"hmakv demo: logs in {self.workdir}")
         if self.config.use_model and not self.use_model:
@@ -433,13 +449,19 @@ class Demo:
 
     def _finish(self, summary: Summary, monitor: Monitor, prober: Prober) -> int:
         self.say(render_text(summary))
-        if self.config.json_path is not None:
-            self.config.json_path.parent.mkdir(parents=True, exist_ok=True)
-            self.config.json_path.write_bytes(encode_json(summary))
-            self.say(f"summary JSON: {self.config.json_path}")
+        saved = self.config.json_path is None or self._save_json(summary, self.config.json_path)
         reported = self.config.report_dir is None or self._report(summary, monitor, prober)
         self.say(f"logs: {self.workdir}")
-        return EXIT_OK if summary.ok and reported else EXIT_FAILED
+        return EXIT_OK if summary.ok and saved and reported else EXIT_FAILED
+
+    def _save_json(self, summary: Summary, path: Path) -> bool:
+        try:
+            path.write_bytes(encode_json(summary))
+        except OSError as error:  # checked at the start; a full disk or a path gone since
+            self.say(f"no summary JSON: cannot write {path}: {error}")
+            return False
+        self.say(f"summary JSON: {path}")
+        return True
 
     def _report(self, summary: Summary, monitor: Monitor, prober: Prober) -> bool:
         assert self.config.report_dir is not None
@@ -448,7 +470,11 @@ class Demo:
         except ImportError as error:
             self.say(f"no report: it needs matplotlib ({error}); pip install 'hmakv[local]'")
             return False
-        written = write_report(self.config.report_dir, summary, monitor.ticks, prober.stats)
+        try:
+            written = write_report(self.config.report_dir, summary, monitor.ticks, prober.stats)
+        except OSError as error:
+            self.say(f"no report: cannot write it in {self.config.report_dir}: {error}")
+            return False
         self.say(f"report: {written}")
         return True
 

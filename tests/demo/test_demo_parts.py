@@ -226,18 +226,32 @@ def test_chosen_engines_get_names_seeds_and_the_demos_pool_sizes() -> None:
     assert engine_lineup(6, 0) == chosen_engines(ENGINE_LINEUP, 0)
 
 
-def test_a_workdir_that_cannot_be_made_is_bad_usage(tmp_path: Path) -> None:
-    """``--workdir`` is the user's path: a file there is a one-line error (exit 2) before
-    anything starts, not an OSError traceback."""
-    a_file = tmp_path / "a-file"
-    a_file.write_text("x")
+@pytest.mark.parametrize(
+    ("option", "at", "message"),
+    [
+        ("--workdir", "a-file", "cannot use {path} as the workdir"),
+        ("--json", "a-file/summary.json", "cannot use {parent} as the directory of --json"),
+        ("--json", "a-dir", "--json {path} is a directory"),
+        ("--report", "a-file/report", "cannot use {path} as the --report directory"),
+    ],
+)
+def test_a_path_that_cannot_be_used_is_bad_usage(
+    tmp_path: Path, option: str, at: str, message: str
+) -> None:
+    """The user's paths are checked before anything starts: a file or a directory in the way is
+    a one-line error (exit 2), not a traceback at the end of the run."""
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "a-dir").mkdir()
+    path = tmp_path / at
+    options = ["--workdir", str(tmp_path / "work")] if option != "--workdir" else []
     done = subprocess.run(
-        [str(HMAKV), "demo", "--no-model", "--duration", "1", "--workdir", str(a_file)],
+        [str(HMAKV), "demo", "--no-model", "--duration", "1", *options, option, str(path)],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
     assert done.returncode == 2, done.stdout + done.stderr
-    assert f"hmakv demo: cannot use {a_file} as the workdir" in done.stderr
+    expected = message.format(path=path, parent=path.parent)
+    assert f"hmakv demo: {expected}" in done.stderr
     assert "Traceback" not in done.stderr
