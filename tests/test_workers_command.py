@@ -76,7 +76,7 @@ def test_retire_writes_the_latest_state_again_retired_and_consumers_drop_the_wor
     kafka_bootstrap: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     topics = asyncio.run(topics_with(kafka_bootstrap, state("a", 0), state("a", 3), state("b", 1)))
-    assert workers(kafka_bootstrap, topics, "retire", "a") == 0
+    assert workers(kafka_bootstrap, topics, "retire", "a", "a") == 0  # named twice, written once
     assert capsys.readouterr().out == "a: retired at epoch 3\n"
     after = asyncio.run(latest(kafka_bootstrap, topics))
     assert (after["a"].health, after["a"].epoch, after["a"].last_seq) == ("retired", 3, 7)

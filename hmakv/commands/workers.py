@@ -119,11 +119,13 @@ async def _forget(producer: AIOKafkaProducer, topic: str, state: WorkerState) ->
 
 
 def _known(states: dict[str, WorkerState], workers: Sequence[str]) -> list[WorkerState]:
-    """The named workers' states; none is written unless every name is known (a typo)."""
-    unknown = [worker for worker in workers if worker not in states]
+    """The named workers' states, each once however often named; none is written unless every
+    name is known (a typo)."""
+    named = list(dict.fromkeys(workers))
+    unknown = [worker for worker in named if worker not in states]
     if unknown:
         raise WorkersError(f"not in the workers topic: {', '.join(unknown)}")
-    return [states[worker] for worker in workers]
+    return [states[worker] for worker in named]
 
 
 def _print_states(states: dict[str, WorkerState], *, as_json: bool) -> None:
