@@ -18,6 +18,8 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+from aiokafka import AIOKafkaConsumer
+
 from bridge.config import EngineConfig
 from bridge.fanout import fan_out
 from bridge.kafka_client import create_consumer
@@ -212,11 +214,23 @@ class KafkaLog:
             deadline = time.monotonic() + timeout
             while not condition(self):
                 assert time.monotonic() < deadline, f"timed out waiting for {what}"
-                for tp, records in (await consumer.getmany(timeout_ms=200)).items():
-                    for record in records:
-                        self._take(tp.topic, record.key, record.value, record.headers)
+                await self._read(consumer)
+            # The condition saw some partitions; the others are read at their own pace (a state
+            # can arrive before the records it covers). Read every partition to where it ended
+            # once the condition held, so the test asserts on all that was written by then.
+            ends = await consumer.end_offsets(list(consumer.assignment()))
+            deadline = time.monotonic() + timeout
+            for tp, end in ends.items():
+                while await consumer.position(tp) < end:
+                    assert time.monotonic() < deadline, f"timed out reading up to {what}"
+                    await self._read(consumer)
         finally:
             await consumer.stop()
+
+    async def _read(self, consumer: AIOKafkaConsumer) -> None:
+        for tp, records in (await consumer.getmany(timeout_ms=200)).items():
+            for record in records:
+                self._take(tp.topic, record.key, record.value, record.headers)
 
     def _clear(self) -> None:
         """Each wait reads the topics from their beginning again."""
