@@ -264,9 +264,11 @@ def wait_for_subscription(publisher: ZmqEventPublisher, sub: zmq.Socket[bytes]) 
         publisher.publish(KVEventBatch(ts=time.time(), events=[]))
         if sub.poll(20):
             break
-    while sub.poll(100):  # drain the probes still in flight
-        sub.recv_multipart()
-    return publisher.stats().published
+    last_probe = publisher.stats().published - 1
+    while True:  # drain the probes, up to the last: none arrives after the test's batches
+        assert sub.poll(int(WAIT_S * 1000)), "a probe published after the subscription was lost"
+        if int.from_bytes(sub.recv_multipart()[1], "big") == last_probe:
+            return last_probe + 1
 
 
 @pytest.mark.usefixtures("opted_in")

@@ -28,14 +28,16 @@ class Gate:
 
 @contextlib.contextmanager
 def pub_sub_pairs(count: int) -> Iterator[list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]]:
+    """Pairs over ``inproc://``: a message sent is in its SUB socket when ``send`` returns, so
+    a test can queue a backlog before the intake starts without waiting on a network."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pairs = []
     try:
-        for _ in range(count):
+        for index in range(count):
             pub = ctx.socket(zmq.PUB)
-            port = pub.bind_to_random_port("tcp://127.0.0.1")
+            pub.bind(f"inproc://intake-test-{index}")
             sub = ctx.socket(zmq.SUB)
-            sub.connect(f"tcp://127.0.0.1:{port}")
+            sub.connect(f"inproc://intake-test-{index}")
             sub.subscribe(b"")
             pairs.append((pub, sub))
         yield pairs
@@ -44,14 +46,16 @@ def pub_sub_pairs(count: int) -> Iterator[list[tuple[zmq.Socket[bytes], zmq.Sock
 
 
 async def subscribed(pairs: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]) -> None:
-    """Until every subscription reached its PUB: probes are sent until one arrives."""
+    """Until every subscription reached its PUB (probes are sent until one arrives), and every
+    probe is read: a last one marks the end."""
     for pub, sub in pairs:
         async with asyncio.timeout(WAIT_S):
             while not sub.poll(0):
                 pub.send_multipart([b"probe"])
                 await asyncio.sleep(0.01)
-        while sub.poll(0):
-            sub.recv_multipart()
+        pub.send_multipart([b"probes end"])
+        while sub.recv_multipart() != [b"probes end"]:
+            pass
 
 
 @contextlib.asynccontextmanager
@@ -152,7 +156,6 @@ async def test_a_socket_with_more_than_a_round_holds_gets_the_rest_next_rounds(l
         pub, sub = pairs[0]
         for n in range(50):
             pub.send_multipart([b"t", str(n).encode()])
-        await asyncio.sleep(0.05)  # all queued in the SUB socket before the intake starts
         intake.add(sub, lambda messages: rounds.append(len(messages)))
         async with running(intake):
             await until(lambda: sum(rounds) == 50, "every message")
@@ -182,7 +185,6 @@ async def test_a_round_over_many_sockets_stops_at_its_message_budget() -> None:
                 received[index].extend(frames[1] for frames in messages)
 
             intake.add(sub, handler)
-        await asyncio.sleep(0.05)  # every backlog queued in its SUB socket
         async with running(intake):
             await until(lambda: sum(taken.values()) == 400, "every message")
     assert max(taken.values()) == 24  # three passes over 8 sockets reach 20

@@ -103,6 +103,8 @@ async def test_clears_catalogs_and_degraded_workers_take_effect_at_once(
         await log.state(worker_state("w", "live", last_seq=1))
         await log.events(record("w", 1, [cleared()]))
         await wait_until(lambda: events_consumed(follower) == 2, "the clear consumed")
+        # The states topic is read apart from the events topic: wait for it, too.
+        await wait_until(lambda: follower.stats.worker_states_applied == 2, "the live state")
         assert follower.index.workers()[0].health == "live"
         assert resident(follower, "w") == 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -133,6 +134,17 @@ def test_published_events_reproduce_the_engine_cache_and_its_snapshot(
 HMAKV = Path(sys.executable).with_name("hmakv")
 
 
+def lines_until(process: subprocess.Popen[str], text: str) -> str:
+    """Its stderr up to the first line with ``text`` (or to its end, should it exit first)."""
+    assert process.stderr is not None
+    lines = []
+    while line := process.stderr.readline():
+        lines.append(line)
+        if text in line:
+            break
+    return "".join(lines)
+
+
 def test_the_installed_command_publishes_what_its_snapshot_holds(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
@@ -141,7 +153,7 @@ def test_the_installed_command_publishes_what_its_snapshot_holds(
     subscriber = Subscriber(ctx, pub_port)
     command = [
         str(HMAKV), "engine", "--profile", "gpt-oss-like", "--workload", "chat", "--no-model",
-        "--duration", "2", "--rate", "50", "--num-blocks", "120", "--status-interval", "0.5",
+        "--rate", "50", "--num-blocks", "120", "--status-interval", "0.5",
         "--endpoint", f"tcp://127.0.0.1:{pub_port}", "--replay-endpoint", replay_endpoint,
     ]  # fmt: skip
     with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as process:
@@ -149,7 +161,10 @@ def test_the_installed_command_publishes_what_its_snapshot_holds(
             subscriber.receive_until(lambda s: len(s.payloads) >= 10, "10 batches arrived")
             snapshot_seq, snapshot_events = snapshot(ctx, replay_endpoint)
             replayed = replay(ctx, replay_endpoint, 0)
-            _, stderr = process.communicate(timeout=WAIT_S)
+            status = lines_until(process, "steps/s")  # a status line, then it may stop
+            process.send_signal(signal.SIGTERM)  # it runs until told: no step hurries the test
+            _, rest = process.communicate(timeout=WAIT_S)
+            stderr = status + rest
         finally:
             process.kill()
     assert process.returncode == 0, stderr
