@@ -69,7 +69,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 _END_FRAMES = (b"", END_SEQ, b"")
 _LIVE_CHUNK = 64  # live batches per loop turn, so replay requests are read between chunks
-_DROP_LOG_INTERVAL_S = 10.0
+_LOG_INTERVAL_S = 10.0  # at most one line per kind of trouble per interval
 
 SnapshotProvider = Callable[[], Sequence[KVEvent]]
 
@@ -99,6 +99,8 @@ class PublisherStats:
     dropped_at_shutdown: int = 0
     replay_requests: int = 0
     replay_requests_invalid: int = 0
+    replay_requests_refused: int = 0
+    """Requests (replays and snapshots) ignored while ``max_replies`` were in progress."""
     replay_batches_sent: int = 0
     replays_completed: int = 0
     replays_abandoned: int = 0
@@ -265,6 +267,7 @@ class _LoopSettings:
     reply_timeout: float
     snapshot_chunk_events: int
     has_provider: bool
+    max_replies: int
 
 
 class _PublisherLoop:
@@ -291,7 +294,7 @@ class _PublisherLoop:
         self._ring = _ReplayRing(buffer_steps)
         self._streams: list[_ReplyStream] = []
         self._snapshot_waiters: list[tuple[bytes, float]] = []
-        self._last_drop_log = -_DROP_LOG_INTERVAL_S
+        self._last_logged: dict[str, float] = {}
         self._poller = zmq.Poller()
         self._poller.register(handoff.wake_fd, zmq.POLLIN)
         if router is not None:
@@ -341,15 +344,21 @@ class _PublisherLoop:
             stats.sent += 1
 
     def _log_dropped(self, first: int, stop: int) -> None:
+        self._warn(
+            "dropped",
+            "KV-event queue full: dropped seq %d..%d; the publisher thread cannot keep up "
+            "with publish() (stats().dropped_queue_full has the total)",
+            first,
+            stop - 1,
+        )
+
+    def _warn(self, kind: str, message: str, *args: object) -> None:
+        """A misbehaving engine or client can cause the same trouble thousands of times a
+        second: the first line of each kind, then one per interval (the stats count them all)."""
         now = time.monotonic()
-        if now - self._last_drop_log >= _DROP_LOG_INTERVAL_S:  # at most one line per interval
-            self._last_drop_log = now
-            logger.warning(
-                "KV-event queue full: dropped seq %d..%d; the publisher thread cannot keep up "
-                "with publish() (stats().dropped_queue_full has the total)",
-                first,
-                stop - 1,
-            )
+        if now - self._last_logged.get(kind, -_LOG_INTERVAL_S) >= _LOG_INTERVAL_S:
+            self._last_logged[kind] = now
+            logger.warning(message, *args)
 
     # --- replay and snapshot replies ----------------------------------------------------------
 
@@ -376,7 +385,14 @@ class _PublisherLoop:
             frames = router.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
                 self.stats.replay_requests_invalid += 1
-                logger.warning("invalid replay request ignored: %d frames", len(frames))
+                self._warn("invalid", "invalid replay request ignored: %d frames", len(frames))
+                continue
+            if len(self._streams) + len(self._snapshot_waiters) >= self._settings.max_replies:
+                # Unanswered, as a ROUTER past its high-water mark leaves it: the client's
+                # deadline ends it. Answering would cost what the cap is there to bound.
+                self.stats.replay_requests_refused += 1
+                limit = self._settings.max_replies
+                self._warn("refused", "replay request ignored: %d replies in progress", limit)
                 continue
             identity, _, start = frames
             start_seq = int.from_bytes(start, "big")
@@ -528,7 +544,9 @@ class ZmqEventPublisher:
     The positional-or-keyword arguments are vLLM's, with vLLM's defaults. hmakv's own options are
     keyword-only: ``snapshot_provider`` (see the module docstring), ``snapshot_chunk_events``,
     ``replay_budget`` (messages per reply per loop turn), ``replay_timeout`` (seconds a reply may
-    make no progress), ``replay_hwm`` (ROUTER send high-water mark), ``flush_interval_ms`` (how
+    make no progress), ``max_replies`` (replies and snapshot requests in progress at once; more
+    requests are ignored, so a client that floods the ROUTER costs bounded work),
+    ``replay_hwm`` (ROUTER send high-water mark), ``flush_interval_ms`` (how
     often an idle publisher thread looks for batches and requests), ``shutdown_timeout`` and
     ``context`` (defaults to a private one, terminated on shutdown so queued batches are flushed;
     pass a shared one to reach ``inproc://`` endpoints from other sockets).
@@ -548,15 +566,17 @@ class ZmqEventPublisher:
         snapshot_chunk_events: int = 1024,
         replay_budget: int = 64,
         replay_timeout: float = 5.0,
+        max_replies: int = 64,
         replay_hwm: int = 1000,
         flush_interval_ms: int = 1,
         shutdown_timeout: float = 1.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
-        if min(max_queue_size, snapshot_chunk_events, replay_budget, flush_interval_ms) < 1:
+        counts = (max_queue_size, snapshot_chunk_events, replay_budget, max_replies)
+        if min(*counts, flush_interval_ms) < 1:
             raise ValueError(
-                "max_queue_size, snapshot_chunk_events, replay_budget and flush_interval_ms "
-                "must be at least 1"
+                "max_queue_size, snapshot_chunk_events, replay_budget, max_replies and "
+                "flush_interval_ms must be at least 1"
             )
         if buffer_steps < 0:
             raise ValueError("buffer_steps must not be negative")
@@ -583,6 +603,7 @@ class ZmqEventPublisher:
                 reply_timeout=replay_timeout,
                 snapshot_chunk_events=snapshot_chunk_events,
                 has_provider=snapshot_provider is not None,
+                max_replies=max_replies,
             ),
         )
         self._next_seq = 0

@@ -397,6 +397,31 @@ def test_replay_client_that_never_reads_cannot_stall_live_publishing(
     assert pub.stats().replays_completed == 0
 
 
+def test_requests_past_max_replies_are_ignored_and_counted_until_a_reply_ends(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[str, str]
+) -> None:
+    """A client that floods the ROUTER with requests and reads nothing holds at most
+    ``max_replies`` replies; once they are abandoned, a request is answered again."""
+    pub = publisher(endpoints, replay_hwm=1, replay_timeout=0.5, max_replies=2)
+    with pub:
+        for block_hash in range(300):
+            pub.publish(big_batch(block_hash, 10_000))
+        wait_until(lambda: pub.stats().sent == 301, "all batches are in the ring")
+        flood = ctx.socket(zmq.DEALER)
+        flood.setsockopt(zmq.RCVHWM, 1)
+        flood.setsockopt(zmq.RCVBUF, 4096)
+        flood.connect(pub.replay_endpoint or "")
+        for _ in range(3):
+            flood.send_multipart([b"", (0).to_bytes(8, "big")])
+        flood.send_multipart([b"", SNAPSHOT_REQUEST.to_bytes(8, "big")])
+        wait_until(lambda: pub.stats().replay_requests_refused == 2, "two requests ignored")
+        assert (pub.stats().replay_requests, pub.stats().snapshot_requests) == (2, 0)
+        wait_until(lambda: pub.stats().replays_abandoned == 2, "the stuck replies abandoned")
+        reply = request_replay(replay_client(ctx, pub.replay_endpoint or ""), 295)
+    assert [seq for seq, _ in reply] == list(range(295, 301))
+    assert pub.stats().replay_requests_refused == 2
+
+
 def test_reply_held_up_while_the_ring_turns_still_sends_each_seqs_own_payload(
     ctx: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[str, str]
 ) -> None:
