@@ -439,6 +439,7 @@ class Engine:
             "endpoint": self.publisher.endpoint,
             "replay_endpoint": self.publisher.replay_endpoint,
             "topic": self.config.topic,
+            "publisher": dataclasses.asdict(self.publisher.stats()),
         }
 
     def _blocks_cached(self) -> list[int]:

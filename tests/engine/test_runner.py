@@ -282,6 +282,10 @@ def test_the_api_status_names_the_catalog_and_the_progress(
     assert document["blocks_cached"] == [4, 4]
     assert document["blocks_used"] == [0, 0]  # the request finished
     assert document["free_blocks"] == document["num_blocks"] - 1
+    # what became of every seq, and of every replay and snapshot request, by the publisher
+    assert document["publisher"]["published"] == document["seq"] + 1
+    assert document["publisher"]["dropped_queue_full"] == 0
+    assert "replay_requests_refused" in document["publisher"]
 
 
 @pytest.mark.parametrize(
