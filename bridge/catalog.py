@@ -74,6 +74,10 @@ class GroupCatalog:
         if self._specs.get(group) == spec:
             return seen
         self._specs[group] = spec
+        # The group's earlier stores no longer describe it: should one come again (an engine
+        # restarted with its former configuration), it must be learned again, not skipped.
+        self._learned_keys = {known for known in self._learned_keys if known[0] != group}
+        self._learned_keys.add(key)
         return True
 
     def _spec_from(self, group: int, store: BlockStored) -> GroupSpec:

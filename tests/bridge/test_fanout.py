@@ -169,3 +169,15 @@ def test_a_changed_spec_replaces_the_learned_one() -> None:
     assert catalog.groups == (0,)
     assert catalog.learn([store(0, kind="full_attention")])
     assert catalog.specs == {0: GroupSpec("full_attention", 16)}
+
+
+def test_a_spec_that_changes_back_is_learned_again() -> None:
+    """An engine restarted with another configuration for a group, then with its former one
+    (a rollback): the former spec's stores must not be skipped as already learned."""
+    catalog = GroupCatalog()
+    window_128 = store(1, kind="sliding_window", window=128)
+    assert catalog.learn([window_128])
+    assert catalog.learn([store(1, kind="full_attention")])
+    assert catalog.specs[1] == GroupSpec("full_attention", 16)
+    assert catalog.learn([window_128])
+    assert catalog.specs[1] == GroupSpec("sliding_window", 16, 128)
