@@ -539,7 +539,8 @@ class KafkaSink:
                 self._metrics.end_to_end_age.observe(max(0.0, now - item.ts))
                 last_seqs[item.worker] = item.seq
         for worker, seq in last_seqs.items():
-            self._metrics.worker_last_seq.labels(worker).set(seq)
+            if worker in self._board.views:  # a worker gone since has its series removed
+                self._metrics.worker_last_seq.labels(worker).set(seq)
         self._settle_states(chunk, refused)
         self._count_produced(chunk.records, refused)
 
@@ -555,7 +556,8 @@ class KafkaSink:
     def _refuse(self, item: Outgoing) -> None:
         worker = item.worker
         assert worker is not None
-        self._metrics.delivery_failures.labels(worker).inc()
+        if worker in self._board.views:
+            self._metrics.delivery_failures.labels(worker).inc()
         if not item.engine_batch:
             # Any later record of the epoch in that group makes consumers drop the old view too.
             log.error(

@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from aiokafka.errors import NotLeaderForPartitionError
 from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.record.memory_records import MemoryRecords
+from prometheus_client import generate_latest
 
 from bridge.board import WorkerBoard, WorkerView
 from bridge.metrics import BridgeMetrics
@@ -423,3 +425,24 @@ async def test_a_worker_that_left_leaves_nothing_behind_in_the_sink() -> None:
     await asyncio.wait_for(sink.close(5.0), 10)
     assert producer.events_refused == 50  # each pod had a refused epoch to forget
     assert sink._partitions == {} and sink._refused_epoch == {}
+
+
+@pytest.mark.parametrize("kafka", ["takes", "refuses"])
+async def test_a_worker_that_left_gets_no_series_back_from_its_last_batch(kafka: str) -> None:
+    """A reload removes a busy engine: its series are removed, and the acknowledgement or the
+    refusal of a batch still queued must not bring one back (a series per gone pod)."""
+    producer = ScriptedProducer({}) if kafka == "takes" else RefusingEvents(set(), [])
+    board, sink = sink_for(producer)
+    metrics = sink._metrics
+    metrics.start_worker("w")
+    sink.put(item(1))
+    board.release("w", time.time())  # what forgetting a worker does, its batch still queued
+    sink.forget("w")
+    metrics.forget_worker("w")
+    sink.start()
+    await asyncio.wait_for(sink.close(5.0), 10)
+    if isinstance(producer, RefusingEvents):
+        assert producer.events_refused == 1
+    else:
+        assert (TOPICS.events, 1) in producer.sent
+    assert 'worker="w"' not in generate_latest(metrics.registry).decode()
