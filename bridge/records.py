@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from producer.events import GroupSpec, KVEvent
+from producer.events import MAX_GROUP_IDX, GroupSpec, KVEvent
 
 DEFAULT_TOPIC_PREFIX = "hmakv"
 
@@ -64,8 +64,7 @@ def event_key(worker: str, group_idx: int) -> bytes:
     return f"{worker}/{group_idx}".encode()
 
 
-# A group index is a KV-cache group's position in the engine's list: a handful in practice.
-_MAX_GROUP_DIGITS = 9
+_MAX_GROUP_DIGITS = len(str(MAX_GROUP_IDX))
 
 
 def parse_event_key(key: bytes) -> tuple[str, int]:

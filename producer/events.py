@@ -22,6 +22,10 @@ MEDIUM_GPU = "GPU"
 StoreBlockSize = Annotated[int, msgspec.Meta(ge=0)]
 # A group's block size, window or chunk, in tokens: every hit rule divides by it or counts in it.
 GroupSize = Annotated[int, msgspec.Meta(gt=0)]
+# A group index is a KV-cache group's position in the engine's list: a handful in practice. The
+# bound keeps each group's Kafka key (``<worker>/<group>``) one that consumers can parse.
+MAX_GROUP_IDX = 10**9 - 1
+GroupIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_GROUP_IDX)]
 
 
 class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -37,7 +41,7 @@ class BlockStored(KVCacheEvent):
     medium: str | None
     lora_name: str | None
     extra_keys: list[tuple[object, ...] | None] | None = None
-    group_idx: int | None = None
+    group_idx: GroupIndex | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
@@ -46,7 +50,7 @@ class BlockStored(KVCacheEvent):
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
-    group_idx: int | None = None
+    group_idx: GroupIndex | None = None
     locality: str | None = None
 
 
@@ -161,7 +165,7 @@ class _LenientBlockStored(msgspec.Struct, gc=False):
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[tuple[object, ...] | None] | None = None
-    group_idx: int | None = None
+    group_idx: GroupIndex | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
@@ -180,9 +184,9 @@ class _MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
 
     block_hashes: list[ExternalBlockHash]
     medium: str | None = None
-    group_idx: int | None = None
+    group_idx: GroupIndex | None = None
     locality: str | None = None
-    evicted_groups: list[int] | None = None
+    evicted_groups: list[GroupIndex] | None = None
 
 
 class _ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
@@ -194,7 +198,7 @@ class _ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc
 
     block_hashes: list[ExternalBlockHash]
     medium: str | None = None
-    group_idx_or_evicted_groups: int | list[int] | None = None
+    group_idx_or_evicted_groups: GroupIndex | list[GroupIndex] | None = None
     locality: str | None = None
 
 

@@ -296,6 +296,22 @@ def test_evicted_groups_text_in_a_value_decodes_unchanged() -> None:
             "event 0 (BlockStored): Expected `int` >= 0 - at `$[4]`",
             id="array-store-negative-block-size",
         ),
+        # A group index no Kafka key of a consumer could carry (<worker>/<up to 9 digits>).
+        pytest.param(
+            _pack([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "group_idx": -1}]]),
+            "event 0 (BlockRemoved): Expected `int` >= 0 - at `$.group_idx`",
+            id="map-removal-negative-group",
+        ),
+        pytest.param(
+            _pack([1.0, [["BlockStored", [1], None, TOKENS, 16, None, "GPU", None, None, 10**9]]]),
+            "event 0 (BlockStored): Expected `int` <= 999999999 - at `$[9]`",
+            id="array-store-group-past-nine-digits",
+        ),
+        pytest.param(
+            _pack([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "evicted_groups": [-2]}]]),
+            "event 0 (BlockRemoved): Expected `int` >= 0 - at `$.evicted_groups[0]`",
+            id="draft-evicted-negative-group",
+        ),
     ],
 )
 def test_malformed_payload_raises_wire_decode_error_naming_the_problem(
