@@ -28,7 +28,7 @@ from pathlib import Path
 import msgspec
 
 from bridge.records import worker_id
-from producer.events import GROUP_KINDS, GroupSpec
+from producer.events import GROUP_KINDS, MAX_GROUP_IDX, GroupSpec
 from producer.publisher import offset_endpoint_port
 
 _FLAG_OPTIONS = ("replay", "topic", "dp", "shard")
@@ -54,16 +54,50 @@ class EngineConfig:
         except ValueError as error:
             raise ConfigError(f"engine {self.name!r}: {error}") from error
         for endpoint in (self.endpoint, self.replay):
-            if endpoint is not None and "://" not in endpoint:
-                raise ConfigError(f"engine {self.name!r}: {endpoint!r} is not a ZMQ endpoint")
-        if self.dp_ranks is not None and (not self.dp_ranks or min(self.dp_ranks) < 0):
-            raise ConfigError(f"engine {self.name!r}: dp_ranks must be non-negative, not empty")
+            if endpoint is not None:
+                self._check_endpoint(endpoint)
+        if self.dp_ranks is not None:
+            self._check_ranks(self.dp_ranks)
         try:
-            self.workers()  # each DP rank's endpoints: vLLM offsets TCP ports by rank
-        except ValueError as error:
+            for worker in self.workers():  # each DP rank's endpoints: vLLM offsets TCP ports
+                self._check_ports(worker)
+        except ValueError as error:  # a port that is no number, or one int() will not read
             raise ConfigError(f"engine {self.name!r}: {error}") from error
         if self.shard is not None and self.shard < 0:
             raise ConfigError(f"engine {self.name!r}: shard must be non-negative")
+
+    def _check_endpoint(self, endpoint: str) -> None:
+        """The bridge connects to an engine's endpoints, and ZMQ can only bind a ``*`` host:
+        vLLM's default ``tcp://*:5557`` names no engine, and connecting to it fails."""
+        if "://" not in endpoint:
+            raise ConfigError(f"engine {self.name!r}: {endpoint!r} is not a ZMQ endpoint")
+        if any(host == "*" for host, _ in _tcp_addresses(endpoint)):
+            raise ConfigError(
+                f"engine {self.name!r}: {endpoint!r} is a wildcard the engine binds; name the "
+                "engine's host for the bridge to connect to, e.g. tcp://engine-host:5557"
+            )
+
+    def _check_ranks(self, ranks: tuple[int, ...]) -> None:
+        """Each rank is a worker named after it: a repeated rank would be one worker twice, and
+        ``True`` (an int to Python) a worker named ``-dpTrue``."""
+        if not ranks or any(isinstance(r, bool) or r < 0 for r in ranks):
+            raise ConfigError(
+                f"engine {self.name!r}: dp_ranks must be non-negative integers, not empty"
+            )
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError(f"engine {self.name!r}: dp_ranks {list(ranks)} repeat a rank")
+
+    @staticmethod
+    def _check_ports(worker: WorkerAddress) -> None:
+        """vLLM offsets a TCP port by the DP rank: past 65535 no engine can listen there.
+        Raises ``ValueError``, for ``__post_init__`` to say which engine."""
+        for endpoint in (worker.endpoint, worker.replay):
+            addresses = _tcp_addresses(endpoint) if endpoint is not None else []
+            port = addresses[-1][1] if addresses else ""
+            if _is_digits(port) and int(port) > 65535:
+                rank = worker.data_parallel_rank
+                offset = f" (DP rank {rank}'s port: vLLM offsets it by the rank)" if rank else ""
+                raise ValueError(f"{endpoint} is past port 65535{offset}")
 
     def workers(self) -> list[WorkerAddress]:
         """One worker per DP rank, with the endpoints vLLM gives that rank."""
@@ -116,7 +150,7 @@ class Shard:
     @classmethod
     def parse(cls, text: str) -> Shard:
         index, sep, count = text.partition("/")
-        if not sep or not index.isdigit() or not count.isdigit():
+        if not sep or not _is_digits(index) or not _is_digits(count):
             raise ConfigError(f"--shard {text!r}: expected INDEX/COUNT, e.g. 0/2")
         return cls(int(index), int(count))
 
@@ -173,9 +207,11 @@ def parse_engine_flags(texts: Iterable[str]) -> list[EngineConfig]:
 
 def load_engines_file(path: Path) -> list[EngineConfig]:
     try:
-        document = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as error:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise ConfigError(f"{path}: {error}") from error
+    except RecursionError as error:  # tomllib recurses into nested arrays and tables
+        raise ConfigError(f"{path}: nested too deeply to read") from error
     entries = document.get("engines", [])
     if not isinstance(entries, list):
         raise ConfigError(f"{path}: 'engines' must be an array of tables ([[engines]])")
@@ -183,11 +219,30 @@ def load_engines_file(path: Path) -> list[EngineConfig]:
 
 
 def check_unique(engines: list[EngineConfig]) -> list[EngineConfig]:
+    """Names and worker ids must each be unique: a worker's records, tracking and resume point
+    are keyed by its id, so two engines sharing one (``a`` with DP ranks and an ``a-dp1``, say)
+    would corrupt each other's."""
     names = [engine.name for engine in engines]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ConfigError(f"engine names must be unique: {', '.join(duplicates)}")
+    clashes = _worker_clashes(engines)
+    if clashes:
+        raise ConfigError(f"worker ids must be unique: {'; '.join(clashes)}")
     return engines
+
+
+def _worker_clashes(engines: list[EngineConfig]) -> list[str]:
+    """Each worker id more than one engine gives, with those engines' names."""
+    owners: dict[str, list[str]] = {}
+    for engine in engines:
+        for worker in engine.workers():
+            owners.setdefault(worker.worker, []).append(engine.name)
+    return sorted(
+        f"{worker} (engines {', '.join(names)})"
+        for worker, names in owners.items()
+        if len(names) > 1
+    )
 
 
 def _engine_from_table(path: Path, index: int, entry: object) -> EngineConfig:
@@ -199,7 +254,8 @@ def _engine_from_table(path: Path, index: int, entry: object) -> EngineConfig:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
     ranks = entry.get("dp_ranks")
     if ranks is not None and not (
-        isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)
+        isinstance(ranks, list)
+        and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
     ):
         raise ConfigError(f"{where}: dp_ranks must be a list of integers")
     shard = entry.get("shard")
@@ -232,8 +288,15 @@ def _groups(table: object, where: str) -> dict[int, GroupSpec]:
         raise ConfigError(f"{where}: groups must be a table of group index -> spec")
     groups = {}
     for key, spec in table.items():
-        if not key.isdigit() or not isinstance(spec, dict):
-            raise ConfigError(f"{where}: groups.{key} must be a group index with a table")
+        if not _is_digits(key) or int(key) > MAX_GROUP_IDX or not isinstance(spec, dict):
+            raise ConfigError(
+                f"{where}: groups.{key} must be a group index (at most {MAX_GROUP_IDX}) "
+                "with a table"
+            )
+        unknown = sorted(set(spec) - set(GroupSpec.__struct_fields__))
+        if unknown:  # a misspelt chunk_size would leave the consumer guessing the chunk
+            allowed = ", ".join(GroupSpec.__struct_fields__)
+            raise ConfigError(f"{where}: groups.{key}: unknown keys {unknown} (allowed: {allowed})")
         if spec.get("kind") not in GROUP_KINDS or not isinstance(spec.get("block_size"), int):
             raise ConfigError(f"{where}: groups.{key} needs a kind in {GROUP_KINDS} and block_size")
         try:
@@ -246,7 +309,21 @@ def _groups(table: object, where: str) -> dict[int, GroupSpec]:
 
 
 def _integer(text: str, what: str, *, least: int) -> int:
-    if not text.isdigit() or int(text) < least:
+    if not _is_digits(text) or int(text) < least:
         kind = "positive" if least == 1 else "non-negative"
         raise ConfigError(f"{what} must be a {kind} integer, not {text!r}")
     return int(text)
+
+
+def _is_digits(text: str) -> bool:
+    """What ``int`` reads: ``str.isdigit`` is also true of ``²`` and other non-ASCII digits."""
+    return text.isascii() and text.isdigit()
+
+
+def _tcp_addresses(endpoint: str) -> list[tuple[str, str]]:
+    """The (host, port) pairs of a ``tcp://`` endpoint (``[source;]destination``, the
+    destination last); none for other transports."""
+    if not endpoint.startswith("tcp://"):
+        return []
+    parts = endpoint.removeprefix("tcp://").split(";")
+    return [(host, port) for host, _, port in (part.rpartition(":") for part in parts)]

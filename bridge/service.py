@@ -48,6 +48,7 @@ from bridge.source import (
 )
 from bridge.tracking import DEFAULT_MAX_BUFFERED, ResumePoint, SequenceTracker
 from producer.events import DEFAULT_MAX_PAYLOAD_BYTES
+from producer.publisher import offset_endpoint_port
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,12 @@ _REREAD_TIMEOUT_S = 10.0
 _RECORD_MARGIN_BYTES = 64 * 1024  # a record batch's own overhead around its largest record
 
 
+@dataclass
+class _TopicWorker:
+    pod: str
+    last_seen: float  # monotonic
+
+
 @dataclass(frozen=True)
 class BridgeSettings:
     kafka: str
@@ -67,6 +74,8 @@ class BridgeSettings:
     replication: int = 1
     compression: str | None = None
     bind_sub: str | None = None
+    # vLLM offsets each DP rank's port, connect endpoints too: ranks 0..N-1 reach N bound ports.
+    bind_sub_ranks: int = 1
     listen: tuple[str, int] | None = None
     max_replays: int = 4
     replay_timeout: float = 5.0
@@ -124,8 +133,8 @@ class BridgeService:
         self._sources: dict[str, tuple[ConnectedSource, asyncio.Task[None]]] = {}
         self._bound: tuple[BoundSource, asyncio.Task[None]] | None = None
         self._by_topic: dict[bytes, EngineConfig] = {}
-        # Workers named by an llm-d style topic: when each last sent something (monotonic).
-        self._topic_workers: dict[str, float] = {}
+        # Workers named by an llm-d style topic: whose each is, and when it last sent something.
+        self._topic_workers: dict[str, _TopicWorker] = {}
         # The workers topic as read at start (and on reload), with the workers retired since:
         # where a worker this bridge does not follow yet would resume.
         self._known: dict[str, WorkerState] = {}
@@ -181,7 +190,8 @@ class BridgeService:
         for engine in self._engines.values():
             self._add_engine(engine, resumed)
         if self.settings.bind_sub is not None:
-            bound = BoundSource(self.settings.bind_sub, self._route, self._deps())
+            endpoints = bound_endpoints(self.settings)
+            bound = BoundSource(endpoints, self._route, self._sole_channel, self._deps())
             self._bound = (bound, asyncio.create_task(bound.run()))
         self._count_sources()
         self._started = True
@@ -400,7 +410,10 @@ class BridgeService:
         board and the sink, for the caller to forget)."""
         closed = []
         for engine in engines:
-            self._by_topic.pop(engine.topic.encode(), None)
+            topic = engine.topic.encode()
+            routed = self._by_topic.get(topic)  # a connected engine may share a bound one's topic
+            if routed is not None and routed.name == engine.name:
+                del self._by_topic[topic]
             channels = []
             for address in engine.workers():
                 entry = self._sources.pop(address.worker, None)
@@ -483,27 +496,39 @@ class BridgeService:
             return f"topic {topic!r} is no configured engine's and not kv@<pod-id>@<model>"
         worker = pod if rank in (None, 0) else worker_id(pod, rank)
         channel = self._channels.get(worker)
-        if channel is not None and worker in self._topic_workers:
-            self._topic_workers[worker] = time.monotonic()
+        known = self._topic_workers.get(worker)
+        if channel is not None and known is not None:
+            if known.pod != pod:  # pod "p" at rank 1 and pod "p-dp1" are both "p-dp1"
+                return f"worker {worker!r} is pod {known.pod!r}'s, not pod {pod!r}'s"
+            known.last_seen = time.monotonic()
             return channel
         if channel is not None:
             return f"worker {worker!r} is a configured engine with another topic"
         if len(self._topic_workers) >= self.settings.max_workers and not self._retire_silent():
             return f"more than {self.settings.max_workers} workers named by topic (--max-workers)"
-        self._topic_workers[worker] = time.monotonic()
+        self._topic_workers[worker] = _TopicWorker(pod, time.monotonic())
         address = WorkerAddress(worker, rank, None, None)
         channel = self._new_channel(address, None, self._known.get(worker))
         channel.start()
         log.info("worker %r joined through topic %r", worker, topic)
         return channel
 
+    def _sole_channel(self, topic: bytes) -> WorkerChannel | None:
+        """The channel of a configured engine with one worker, if the topic is its. A pod's
+        topic may stand for several DP ranks, and a frame nobody can read must not make one."""
+        engine = self._by_topic.get(topic)
+        if engine is None:
+            return None
+        workers = engine.workers()
+        return self._channels.get(workers[0].worker) if len(workers) == 1 else None
+
     def _retire_silent(self) -> bool:
         """Retire the topic-named worker silent longest, if for ``RETIRE_SILENT_AFTER_S``;
         whether one was. Nothing says the pod is gone, but nothing follows it from now on, so
         consumers must not serve its cache; should it speak again, it comes back as a new life.
         """
-        silent = min(self._topic_workers, key=self._topic_workers.__getitem__)
-        idle = time.monotonic() - self._topic_workers[silent]
+        silent = min(self._topic_workers, key=lambda worker: self._topic_workers[worker].last_seen)
+        idle = time.monotonic() - self._topic_workers[silent].last_seen
         if idle < RETIRE_SILENT_AFTER_S:
             return False
         del self._topic_workers[silent]
@@ -569,3 +594,22 @@ def check_topology(settings: BridgeSettings, engines: list[EngineConfig]) -> Non
     topics = [engine.topic for engine in engines if engine.endpoint is None]
     if len(topics) != len(set(topics)):
         raise ConfigError("engines reached through --bind-sub need distinct topics")
+    for engine in engines:
+        top = max(engine.dp_ranks or (0,))
+        if engine.endpoint is None and top >= settings.bind_sub_ranks:
+            raise ConfigError(
+                f"engine {engine.name!r} has DP rank {top}, whose port --bind-sub does not "
+                f"bind: give --bind-sub-ranks {top + 1}"
+            )
+    bound_endpoints(settings)  # each rank's port is one ZMQ can bind
+
+
+def bound_endpoints(settings: BridgeSettings) -> list[str]:
+    """The endpoints of --bind-sub, one per DP rank, where vLLM's ranks connect to it."""
+    if settings.bind_sub is None:
+        return []
+    try:
+        ranks = range(settings.bind_sub_ranks)
+        return [str(offset_endpoint_port(settings.bind_sub, rank)) for rank in ranks]
+    except ValueError as error:
+        raise ConfigError(f"--bind-sub {settings.bind_sub!r}: {error}") from error

@@ -68,6 +68,7 @@ incidents = RateLimitedLog(log)
 _SUBSCRIPTION_DELAY_S = 0.2
 
 Route = Callable[[bytes, "int | None"], "WorkerChannel | str"]
+SoleChannel = Callable[[bytes], "WorkerChannel | None"]
 
 
 @dataclass(frozen=True)
@@ -546,17 +547,24 @@ class ConnectedSource(_Subscriber):
 
 
 class BoundSource(_Subscriber):
-    """One SUB socket the bridge binds; ``route`` names each message's channel, or why none."""
+    """One SUB socket the bridge binds; ``route`` names each message's channel, or why none.
 
-    def __init__(self, endpoint: str, route: Route, deps: SubscriberDeps) -> None:
-        super().__init__(f"bind {endpoint}", deps)
-        self.endpoint = endpoint
+    A message's DP rank is in its payload, so an undecodable one reaches a worker only through
+    ``sole_channel``: the channel of a topic that names one worker, whatever the rank.
+    """
+
+    def __init__(
+        self, endpoints: list[str], route: Route, sole_channel: SoleChannel, deps: SubscriberDeps
+    ) -> None:
+        super().__init__(f"bind {' '.join(endpoints)}", deps)
+        self.endpoints = endpoints  # one per DP rank
         self._route = route
+        self._sole_channel = sole_channel
         self._touched: set[WorkerChannel] = set()  # channels with counts to flush
 
     async def run(self) -> None:
         sub = self._socket()
-        if not self._attach(sub, bind=self.endpoint):
+        if not all(self._attach(sub, bind=endpoint) for endpoint in self.endpoints):
             return
         sub.subscribe(b"")
         self._set_state(SourceState.CONNECTED)
@@ -577,7 +585,11 @@ class BoundSource(_Subscriber):
             return
         decoded = decode_payload(message, frames, self._settings.max_payload_bytes)
         if isinstance(decoded, Rejected):
-            self._office.reject(_topic_name(message), decoded)  # no rank: no worker to tell
+            self._office.reject(_topic_name(message), decoded)
+            sole = self._sole_channel(message.topic)
+            if sole is not None:  # its loss now, not when (if ever) its next batch comes
+                self._touched.add(sole)
+                sole.on_undecodable(message.seq)
             return
         channel = self._route(message.topic, decoded.batch.data_parallel_rank)
         if isinstance(channel, str):

@@ -74,6 +74,11 @@ examples:
 
 
 LOG_FORMATS = ("text", "json")
+# The options with choices whose default comes from the environment: (dest, variable, choices).
+_ENV_CHOICES = (
+    ("compression", "HMAKV_BRIDGE_COMPRESSION", COMPRESSIONS),
+    ("log_format", "HMAKV_LOG_FORMAT", LOG_FORMATS),
+)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -105,6 +110,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=env("HMAKV_BRIDGE_BIND_SUB"),
         metavar="ENDPOINT",
         help="bind a SUB socket engines connect to, e.g. tcp://*:5557 (env HMAKV_BRIDGE_BIND_SUB)",
+    )
+    add(
+        "--bind-sub-ranks",
+        type=positive_int,
+        default=env("HMAKV_BRIDGE_BIND_SUB_RANKS", "1"),
+        metavar="N",
+        help="DP ranks of the engines that connect to --bind-sub: vLLM offsets each rank's port, "
+        "so the bridge binds PORT..PORT+N-1 (env HMAKV_BRIDGE_BIND_SUB_RANKS, default 1)",
     )
     add(
         "--shard",
@@ -246,11 +259,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     try:
+        _check_choices(args)
         settings = _settings(args)
         engines = _engines(args)
         check_topology(settings, engines)
-        if args.log_format not in LOG_FORMATS:  # argparse checks the flag, not its env default
-            raise ConfigError(f"log format must be one of {LOG_FORMATS}, not {args.log_format!r}")
     except (ConfigError, ValueError) as error:
         print(f"hmakv bridge: {error}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -258,6 +270,19 @@ def run(args: argparse.Namespace) -> int:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
     return asyncio.run(_serve(settings, engines, args))
+
+
+def _check_choices(args: argparse.Namespace) -> None:
+    """argparse checks a flag's value against its choices, not a default taken from the
+    environment: a bad one would pass, and fail only once running (a bad compression as the
+    Kafka producer starts, a traceback and exit 1 on every restart)."""
+    for dest, variable, choices in _ENV_CHOICES:
+        value = getattr(args, dest)
+        if value not in choices:
+            what = dest.replace("_", " ")
+            raise ConfigError(
+                f"{what} must be one of {', '.join(choices)}, not {value!r} (env {variable})"
+            )
 
 
 def _settings(args: argparse.Namespace) -> BridgeSettings:
@@ -268,6 +293,7 @@ def _settings(args: argparse.Namespace) -> BridgeSettings:
         replication=args.replication,
         compression=None if args.compression == "none" else args.compression,
         bind_sub=args.bind_sub,
+        bind_sub_ranks=args.bind_sub_ranks,
         listen=args.listen,
         max_replays=args.max_replays,
         replay_timeout=args.replay_timeout,

@@ -309,6 +309,122 @@ async def test_engines_that_connect_to_the_bridge_are_told_apart_by_topic(
     assert log.records_of("pod-a")[-1].seq == 50
 
 
+async def test_reloading_away_a_connected_engine_keeps_a_bound_engine_of_its_topic(
+    kafka_bootstrap: str,
+) -> None:
+    """Topics need only tell bound engines apart: a connected engine may share a bound one's
+    topic, and a reload that removes it must leave the bound engine's route in place."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    settings = settings_for(kafka_bootstrap, bind_sub=endpoint)
+    connected = EngineThread("engine-a")
+    bound = EngineConfig("engine-b", None, None, topic=connected.topic)
+    log = KafkaLog(kafka_bootstrap, settings.topics)
+    with engines_running(connected):
+        async with running_bridge(settings, [connected.config, bound]) as bridge:
+            publisher = ZmqEventPublisher(0, endpoint, None, topic=bound.topic)
+            try:
+                await asyncio.sleep(0.5)  # its connection to the bridge is made
+                await asyncio.to_thread(publish_steps, [publisher], 5)
+                await log.wait_for(lambda log: log.has_seq("engine-b", 5), "engine-b's steps")
+                await bridge.reload([bound])
+                await asyncio.to_thread(publish_steps, [publisher], 5, 6)
+                await log.wait_for(lambda log: log.has_seq("engine-b", 10), "the later steps")
+            finally:
+                publisher.shutdown()
+    assert not log.dead_letters
+
+
+async def connected_to(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+    """A raw engine socket connected to the bridge's bound SUB, as vLLM connects: XPUB rather
+    than PUB only to see the bridge's subscription arrive before anything is sent."""
+    engine = ctx.socket(zmq.XPUB)
+    engine.connect(endpoint)
+    assert await asyncio.to_thread(engine.poll, 10_000), "the bridge never subscribed"
+    engine.recv()
+    return engine
+
+
+async def test_every_dp_rank_of_an_engine_that_connects_reaches_the_bridge(
+    kafka_bootstrap: str,
+) -> None:
+    """vLLM offsets each DP rank's port, connect endpoints too: with --bind-sub-ranks 2 the
+    bridge binds the port and the next, and rank 1 becomes its own worker."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    settings = settings_for(kafka_bootstrap, bind_sub=endpoint, bind_sub_ranks=2)
+    log = KafkaLog(kafka_bootstrap, settings.topics)
+    async with running_bridge(settings, []):
+        ranks = [ZmqEventPublisher(rank, endpoint, None, topic="kv@p@m") for rank in (0, 1)]
+        try:
+            await asyncio.sleep(0.5)  # their connections to the bridge are made
+            for step in range(1, 6):
+                for rank, publisher in enumerate(ranks):
+                    publisher.publish(step_batch(step, rank))
+                await asyncio.sleep(0.005)
+            await log.wait_for(
+                lambda log: log.has_seq("p", 5) and log.has_seq("p-dp1", 5), "both ranks"
+            )
+        finally:
+            for publisher in ranks:
+                publisher.shutdown()
+    assert {r.data_parallel_rank for r in log.records_of("p-dp1")} == {1}
+
+
+async def test_two_pods_whose_ranks_give_one_worker_id_are_not_mixed(kafka_bootstrap: str) -> None:
+    """Pod "p" at DP rank 1 and pod "p-dp1" at rank 0 would both be worker "p-dp1": the second
+    to speak is refused (dead-lettered, counted) instead of mixing its seqs into the first's."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    settings = settings_for(kafka_bootstrap, bind_sub=endpoint)
+    log = KafkaLog(kafka_bootstrap, settings.topics)
+    ctx = zmq.Context()
+    try:
+        async with running_bridge(settings, []) as bridge:
+            first, second = await connected_to(ctx, endpoint), await connected_to(ctx, endpoint)
+            for number in range(3):
+                ranked = step_batch(number)
+                ranked.data_parallel_rank = 1
+                first.send_multipart([b"kv@p@m", seq(number), encode(ranked)])
+            await log.wait_for(lambda log: log.has_seq("p-dp1", 2), "pod p's rank 1")
+            second.send_multipart([b"kv@p-dp1@m", seq(0), encode(step_batch(0))])
+            await metric_reaches(
+                bridge, "hmakv_bridge_frames_rejected_total", 1, reason="worker_unknown"
+            )
+            await log.wait_for(lambda log: bool(log.dead_letters), "the refused frame")
+    finally:
+        ctx.destroy(linger=0)
+    assert [r.seq for r in log.applied("p-dp1")[0]] == [0, 1, 2]
+    assert {r.epoch for r in log.records_of("p-dp1")} == {0}
+    assert {r.data_parallel_rank for r in log.records_of("p-dp1")} == {1}
+
+
+async def test_an_undecodable_batch_on_the_bound_socket_is_its_engines_loss_at_once(
+    kafka_bootstrap: str,
+) -> None:
+    """A payload that does not decode has no DP rank to route it by; an engine configured by
+    topic with one worker is still told of the loss then (it has no replay: cleared, degraded),
+    not at its next batch, which an idle engine may never send."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    settings = settings_for(kafka_bootstrap, bind_sub=endpoint)
+    bound = EngineConfig("engine-b", None, None, topic="kv-b")
+    log = KafkaLog(kafka_bootstrap, settings.topics)
+    ctx = zmq.Context()
+    try:
+        async with running_bridge(settings, [bound]):
+            engine = await connected_to(ctx, endpoint)
+            engine.send_multipart([b"kv-b", seq(0), encode(step_batch(0))])
+            engine.send_multipart([b"kv-b", seq(1), b"\xc1 not msgpack"])
+
+            def cleared_and_degraded(log: KafkaLog) -> bool:
+                state = log.state("engine-b")
+                return state is not None and state.health == "degraded"
+
+            await log.wait_for(cleared_and_degraded, "engine-b degraded")
+    finally:
+        ctx.destroy(linger=0)
+    assert [d.reason for d in log.dead_letters] == ["payload_undecodable"]
+    lost = [r for r in log.records_of("engine-b") if r.seq == 1]
+    assert lost and all(r.events == [AllBlocksCleared()] for r in lost)  # in each of its groups
+
+
 async def test_health_readiness_and_metrics_endpoints(kafka_bootstrap: str) -> None:
     engine = EngineThread("engine-a")
     port = free_port()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -34,6 +35,7 @@ from bridge.logs import JsonFormatter, RateLimitedLog
 from bridge.outbox import Outgoing
 from bridge.records import EventRecord, Topics
 from bridge.relay import WorkerRelay
+from bridge.service import BridgeSettings, check_topology
 from bridge.tracking import (
     Clear,
     Fetch,
@@ -80,6 +82,11 @@ def test_a_single_rank_engine_is_one_worker_named_as_configured() -> None:
         ("gpu/a=tcp://h:1", "no '/'"),
         ("gpu-a=h:1", "not a ZMQ endpoint"),
         ("gpu-a=ipc:///tmp/a,dp=2", "cannot offset"),  # vLLM offsets TCP ports by DP rank
+        ("gpu-a=tcp://h:1,dp=\u00b2", "dp must be a positive integer"),  # isdigit, not int
+        ("gpu-a=tcp://*:5557", "wildcard the engine binds; name the engine's host"),
+        ("gpu-a=tcp://h:1,replay=tcp://*:5560", r"'tcp://\*:5560' is a wildcard"),
+        ("gpu-a=tcp://h:65535,dp=2", "tcp://h:65536 is past port 65535 .DP rank 1"),
+        ("gpu-a=tcp://h:1,replay=tcp://h:65534,dp=3", "tcp://h:65536 is past port 65535"),
     ],
 )
 def test_bad_engine_flags_say_what_is_wrong(flag: str, message: str) -> None:
@@ -114,6 +121,24 @@ def test_an_engines_file_with_groups(tmp_path: Path) -> None:
         ('[[engines]]\nname = "a"\ngroups = { x = { kind = "mamba", block_size = 1 } }', "index"),
         ('[[engines]]\nname = "a"\ngroups = { 1 = { kind = "nope", block_size = 1 } }', "kind"),
         ("[[engines]\n", "engines.toml"),
+        ('[[engines]]\nname = "a"\ndp_ranks = [true]', "dp_ranks must be a list of integers"),
+        ('[[engines]]\nname = "a"\ndp_ranks = [0, 0]', r"dp_ranks \[0, 0\] repeat a rank"),
+        ('[[engines]]\nname = "a"\nendpoint = "tcp://*:5557"', "wildcard"),
+        (
+            '[[engines]]\nname = "a"\ngroups = { "\u00b2" = { kind = "mamba", block_size = 1 } }',
+            "groups.\u00b2 must be a group index",
+        ),
+        (
+            '[[engines]]\nname = "a"\n'
+            'groups = { 2 = { kind = "chunked_local_attention", block_size = 16, chunk = 64 } }',
+            r"groups.2: unknown keys \['chunk'\] \(allowed: kind, block_size, sliding_window, "
+            "chunk_size",
+        ),
+        ("a = " + "[" * 10_000, "nested too deeply"),
+        (
+            '[[engines]]\nname = "a"\ngroups = { 1000000000 = { kind = "mamba", block_size = 1 } }',
+            r"groups.1000000000 must be a group index \(at most 999999999\)",
+        ),
     ],
 )
 def test_bad_engines_files_say_where(tmp_path: Path, text: str, message: str) -> None:
@@ -127,6 +152,28 @@ def test_engine_names_are_unique() -> None:
     engines = [parse_engine_flag("a=tcp://h:1"), parse_engine_flag("a=tcp://h:2")]
     with pytest.raises(ConfigError, match="unique: a"):
         check_unique(engines)
+
+
+def test_an_engines_file_that_is_not_utf8_says_which(tmp_path: Path) -> None:
+    path = tmp_path / "engines.toml"
+    path.write_bytes(b'[[engines]]\nname = "\xff"\n')
+    with pytest.raises(ConfigError, match=r"engines\.toml: 'utf-8' codec can't decode"):
+        load_engines_file(path)
+
+
+def test_worker_ids_are_unique_across_engines() -> None:
+    """``a`` with DP ranks is workers a-dp0 and a-dp1: an engine named ``a-dp1`` would share
+    the second's records, tracking and resume point."""
+    engines = [parse_engine_flag("a=tcp://h:1,dp=2"), parse_engine_flag("a-dp1=tcp://g:1")]
+    with pytest.raises(ConfigError, match=r"worker ids must be unique: a-dp1 \(engines a, a-dp1\)"):
+        check_unique(engines)
+    assert check_unique([engines[0], parse_engine_flag("a-dp2=tcp://g:1")])
+
+
+@pytest.mark.parametrize("ranks", [(0, 0), (True,), (0, 1, 1), ()])
+def test_dp_ranks_name_distinct_workers(ranks: tuple[int, ...]) -> None:
+    with pytest.raises(ConfigError, match="dp_ranks"):
+        EngineConfig("a", "tcp://h:1", dp_ranks=ranks)
 
 
 def test_shards_split_a_fleet_into_disjoint_parts_that_survive_a_reload() -> None:
@@ -151,7 +198,7 @@ def test_an_engine_pinned_to_a_shard_goes_there_whatever_its_name() -> None:
         Shard(0, 2).select(fleet)
 
 
-@pytest.mark.parametrize("text", ["2/2", "1", "a/2", "-1/2", "0/0", ""])
+@pytest.mark.parametrize("text", ["2/2", "1", "a/2", "-1/2", "0/0", "", "\u00b2/3"])
 def test_bad_shards_say_what_is_wrong(text: str) -> None:
     with pytest.raises(ConfigError, match="shard"):
         Shard.parse(text)
@@ -456,3 +503,16 @@ def test_a_snapshot_after_a_refusals_clear_at_its_seq_rebuilds_the_index() -> No
     ]
     [held] = index.workers()
     assert (held.epoch, held.resident) == (1, {0: {"GPU": 1}, 1: {"GPU": 1}})
+
+
+def test_a_bound_engines_dp_ranks_need_their_ports_bound() -> None:
+    """vLLM's rank 1 connects to --bind-sub's port + 1: a bound engine with rank 1 and a bridge
+    that binds one port would have a worker that never hears from its engine."""
+    engine = EngineConfig("a", None, None, topic="kv-a", dp_ranks=(0, 1))
+    settings = BridgeSettings(kafka="k:9092", bind_sub="tcp://*:5557")
+    with pytest.raises(ConfigError, match=r"has DP rank 1, .* give --bind-sub-ranks 2"):
+        check_topology(settings, [engine])
+    check_topology(dataclasses.replace(settings, bind_sub_ranks=2), [engine])
+    ipc = BridgeSettings(kafka="k:9092", bind_sub="ipc:///tmp/kv", bind_sub_ranks=2)
+    with pytest.raises(ConfigError, match="cannot offset"):
+        check_topology(ipc, [])

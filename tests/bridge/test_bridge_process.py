@@ -31,6 +31,7 @@ from bridge.config import EngineConfig, Shard
 from bridge.records import Topics
 from bridge.service import BridgeService, BridgeSettings
 from hmakv.cli import main
+from hmakv.commands import bridge as bridge_command
 from hmakv.commands.bridge import reload_engines
 from hmakv.kafka import unique_topic
 
@@ -265,18 +266,40 @@ def test_help_names_every_setting() -> None:
         assert flag in result.stdout
 
 
+ENGINE_A = '[[engines]]\nname = "a"\nendpoint = "tcp://h:5557"\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[[engines]]\nname = "a"\nendpoint = "ipc:///tmp/hmakv-a"\ndp_ranks = [0, 1]\n',
+            "cannot offset",
+        ),
+        (ENGINE_A.encode() + b'topic = "\xff"\n', "'utf-8' codec can't decode"),
+        (ENGINE_A + 'groups = { "\u00b2" = { kind = "mamba", block_size = 1 } }', "index"),
+        (
+            ENGINE_A + 'groups = { 2 = { kind = "mamba", block_size = 1, chunk = 64 } }',
+            "unknown keys ['chunk']",
+        ),
+        (ENGINE_A + "dp_ranks = [0, 65535]", "past port 65535"),
+        (
+            ENGINE_A + 'dp_ranks = [0, 1]\n[[engines]]\nname = "a-dp1"\nendpoint = "tcp://g:1"',
+            "worker ids",
+        ),
+        ('[[engines]]\nname = "a"\nendpoint = "tcp://*:5557"\n', "wildcard"),
+    ],
+)
 async def test_a_sighup_with_an_engines_file_that_cannot_run_keeps_the_engines(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, text: str | bytes, message: str
 ) -> None:
     engines = tmp_path / "engines.toml"
-    engines.write_text(
-        '[[engines]]\nname = "a"\nendpoint = "ipc:///tmp/hmakv-a"\ndp_ranks = [0, 1]\n'
-    )
+    engines.write_bytes(text if isinstance(text, bytes) else text.encode())
     args = argparse.Namespace(engines=engines, engine=[], bind_sub=None, shard=Shard(0, 1))
     service = BridgeService(BridgeSettings(kafka="127.0.0.1:1"), [])
     with caplog.at_level(logging.ERROR):
         await reload_engines(service, args)  # what SIGHUP runs
-    assert "engines not reloaded" in caplog.text and "cannot offset" in caplog.text
+    assert "engines not reloaded" in caplog.text and message in caplog.text
 
 
 def test_sighup_without_an_engines_file_does_not_end_the_bridge(tmp_path: Path) -> None:
@@ -306,6 +329,26 @@ def test_a_log_format_from_the_environment_is_checked_like_the_flag(
     monkeypatch.setenv("HMAKV_LOG_FORMAT", "yaml")
     assert main(["bridge", "--engine", "a=tcp://h:1"]) == 2
     assert "log format" in capsys.readouterr().err
+
+
+def test_a_compression_from_the_environment_is_checked_like_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse checks --compression's choices but not its default from the environment: the
+    Kafka producer would refuse it only once started, an exit 1 on every restart."""
+    served = []
+
+    async def serve(*args: object) -> int:
+        served.append(args)
+        return 0
+
+    monkeypatch.setattr(bridge_command, "_serve", serve)
+    monkeypatch.setenv("HMAKV_BRIDGE_COMPRESSION", "zstandard")
+    assert main(["bridge", "--engine", "a=tcp://h:1"]) == 2
+    assert not served
+    error = capsys.readouterr().err
+    assert "compression must be one of none, gzip, snappy, lz4, zstd, not 'zstandard'" in error
+    assert "HMAKV_BRIDGE_COMPRESSION" in error
 
 
 async def test_a_reload_of_a_bridge_that_never_started_does_nothing(
