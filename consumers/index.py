@@ -57,6 +57,7 @@ from producer.events import (
     KVEvent,
     has_group_sizes,
 )
+from producer.hashing import external
 
 DEFAULT_HASH_BLOCK_SIZE = 16
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
@@ -216,7 +217,8 @@ class KVIndex:
     ``hash_block_size`` is the block size the prompts' hashes are computed at. A group whose blocks
     span ``k`` hash blocks is looked up with the hash of its last sub-block: that is exactly vLLM's
     external int for such a block (the last 8 bytes of the concatenated digests) and current vLLM's
-    hash for it; older vLLM's concatenated bytes-form hashes are not recognised.
+    hash for it. Hashes are kept in the int form (``_as_keys``), so engines that send whole digests
+    and those that send ints are found by the same prompt hashes.
 
     Tier weighting: ``tier_weights`` orders media fastest first. ``tier_hit_tokens[m]`` is the
     hit when blocks on ``m`` and every faster medium count as cached; these only grow down the
@@ -280,9 +282,11 @@ class KVIndex:
         for event in events:
             if isinstance(event, BlockStored):
                 self._learn_group(worker, group, event)
-                self._store(worker, group, event.medium or MEDIUM_GPU, event.block_hashes)
+                self._store(worker, group, event.medium or MEDIUM_GPU, _as_keys(event.block_hashes))
             elif isinstance(event, BlockRemoved):
-                self._remove(worker, group, event.medium or MEDIUM_GPU, event.block_hashes)
+                self._remove(
+                    worker, group, event.medium or MEDIUM_GPU, _as_keys(event.block_hashes)
+                )
             else:
                 self._drop(worker, (group,))
                 self._counters.cleared += 1
@@ -630,7 +634,8 @@ class KVIndex:
         """
         max_tokens = max(0, min(num_tokens - 1, len(block_hashes) * self.hash_block_size))
         scored = self._everyone if workers is None else self._bits_of(workers)
-        residency = _Residency(self._media, block_hashes, self.hash_block_size, max_tokens)
+        keys = _as_keys(block_hashes)
+        residency = _Residency(self._media, keys, self.hash_block_size, max_tokens)
         call = _Call(residency, max_tokens, _Answers(scored), details)
         for catalog_class in self._catalog_classes():
             members = catalog_class.everyone & scored
@@ -927,6 +932,15 @@ class _Roster:
             names = [worker.name for worker in chosen]
             named = self._sets[workers] = (names, [worker.health for worker in chosen])
         return named
+
+
+def _as_keys(hashes: Sequence[ExternalBlockHash]) -> Sequence[ExternalBlockHash]:
+    """The hashes in vLLM's int form, the index's keys. vLLM sends a digest whole only with
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, for every event of its life: a list that starts
+    with an int is all ints, and costs one look."""
+    if not hashes or type(hashes[0]) is int:
+        return hashes
+    return [h if isinstance(h, int) else external(h) for h in hashes]
 
 
 def _remove_copies(

@@ -364,6 +364,21 @@ def test_groups_are_learned_from_stores_and_bytes_hashes_work() -> None:
     assert only(index.score(digests, 3 * B + 1)).hit_tokens == 0
 
 
+def test_whole_digests_and_their_ints_are_one_block() -> None:
+    """vLLM sends a digest whole (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) or as the int of its
+    last 8 bytes: a prompt hashed to ints finds the first engine's blocks, and the other way."""
+    index = KVIndex(hash_block_size=B)
+    digests = [bytes([i]) * 24 + (2**63 + i).to_bytes(8, "big") for i in range(3)]
+    ints = [2**63 + i for i in range(3)]
+    index.apply(record(0, 0, stored(digests, 0), worker="whole"))
+    index.apply(record(0, 0, stored(ints, 0), worker="ints"))
+    for prompt in (digests, ints):
+        scores = index.score(prompt, 3 * B + 1)
+        assert {(s.worker, s.hit_tokens) for s in scores} == {("whole", 3 * B), ("ints", 3 * B)}
+    index.apply(record(1, 0, removed(ints[2:], 0), worker="whole"))  # removed as an int
+    assert {s.worker: s.hit_tokens for s in index.score(digests, 3 * B + 1)}["whole"] == 2 * B
+
+
 def test_a_forgotten_workers_slot_is_reused_without_its_blocks() -> None:
     index = KVIndex(hash_block_size=B)
     index.apply(record(0, 0, stored([1, 2], 0), worker="gone"))

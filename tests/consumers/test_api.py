@@ -123,9 +123,10 @@ async def test_block_hashes_lora_and_worker_filter(client: TestClient[Any, Any])
     assert (lora["hit_tokens"], lora["degraded"], lora["health"]) == (8 * BLOCK, True, "degraded")
     assert answer["best"] is None, "a degraded worker is never the best"
 
-    as_bytes = int(HASHES[0]).to_bytes(8, "big").hex()
-    status, answer = await post_score(client, {"block_hashes": [as_bytes]})
-    assert status == 200 and by_worker(answer)["full"]["hit_tokens"] == 0  # bytes != int hash
+    # A whole digest (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) is its last 8 bytes' int.
+    digest = (bytes(24) + int(HASHES[0]).to_bytes(8, "big")).hex()
+    status, answer = await post_score(client, {"block_hashes": [digest]})
+    assert status == 200 and by_worker(answer)["full"]["hit_tokens"] == BLOCK
 
 
 async def test_naive_group_blind_answer_is_reported_beside(client: TestClient[Any, Any]) -> None:
