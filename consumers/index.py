@@ -824,8 +824,22 @@ class KVIndex:
             state.owners = dict(zip(medium.hashes, map(unpacked, medium.owners), strict=True))
             for group, slot, block_hash, extra in medium.copies:
                 state.copies.setdefault((group, slot), {})[block_hash] = extra
+            if not all(isinstance(block_hash, int) for block_hash in medium.hashes):
+                index._rekey(state)
         index._retired = saved.retired
         return index
+
+    def _rekey(self, state: _Medium) -> None:
+        """Whole digests as their ints, as ``_as_keys`` keeps them now: a snapshot from before
+        kept them whole. A block held in both forms (by two engines) gets both its holders."""
+        owners: dict[ExternalBlockHash, int] = {}
+        for block_hash, held in state.owners.items():
+            key = block_hash if isinstance(block_hash, int) else external(block_hash)
+            owners[key] = self._intern(owners.get(key, 0) | held)
+        state.owners = owners
+        for copies in state.copies.values():
+            for block_hash in [h for h in copies if not isinstance(h, int)]:
+                copies[external(block_hash)] = copies.pop(block_hash)
 
     def _unpacked(self, wire: int | bytes, moves: list[tuple[int, int]], mask: int) -> int:
         """A saved packed int in this index's lanes, lane 0 rebuilt, single-worker ones interned."""

@@ -172,6 +172,23 @@ def test_a_snapshot_saved_before_records_were_split_restores() -> None:
     assert restored.apply(record(5, 0, removed([1], 0))) is ApplyOutcome.APPLIED
 
 
+def test_a_snapshot_that_kept_whole_digests_restores_them_as_ints() -> None:
+    """Snapshots from before the index kept every hash as an int hold an engine's whole digests
+    as they came: restored, they are the ints that hashed prompts and later removals use."""
+    index = KVIndex(hash_block_size=B)
+    ints = [2**63 + i for i in range(3)]
+    index.apply(record(0, 0, stored(ints, 0), stored(ints[:1], 0)))  # block 0 held twice
+    data = index.snapshot()
+    old = msgspec.msgpack.decode(data)  # media: [medium, hashes, owners, copies]
+    whole = {h: bytes(24) + h.to_bytes(8, "big") for h in ints}
+    for medium in old["media"]:
+        medium[1] = [whole[h] for h in medium[1]]
+        medium[3] = [[g, slot, whole[h], extra] for g, slot, h, extra in medium[3]]
+    restored = KVIndex.restore(msgspec.msgpack.encode(old))
+    assert restored.snapshot() == data
+    assert only(restored.score(ints, 3 * B + 1)).hit_tokens == 3 * B
+
+
 def test_older_epoch_is_ignored_and_newer_epoch_clears_the_worker() -> None:
     index = KVIndex(hash_block_size=B)
     index.apply(record(0, 0, stored([1, 2, 3], 0)))
