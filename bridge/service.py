@@ -152,6 +152,8 @@ class BridgeService:
         # One reload at a time (each reads the workers topic), none before start has followed
         # the engines it was given: a SIGHUP may come while Kafka is not reachable yet.
         self._reloading = asyncio.Lock()
+        self._stopping = False
+        self._rereading: asyncio.Future[None] | None = None  # a reload's read of the workers topic
 
     # --- life cycle ------------------------------------------------------------------------------
 
@@ -203,7 +205,21 @@ class BridgeService:
         )
 
     async def stop(self) -> None:
-        """Stop receiving, deliver what is queued (within the shutdown timeout), close."""
+        """Stop receiving, deliver what is queued (within the shutdown timeout), close.
+
+        A reload under way is waited for, its read of the workers topic (which waits for Kafka
+        as long as it takes) cut short: it changes nothing once stopping, and none adds sources
+        to a bridge that is closing them."""
+        self._stopping = True
+        if self._rereading is not None:
+            self._rereading.cancel()
+        if self._started:  # a start cut short holds no lock; one not cut short has ended
+            async with self._reloading:
+                await self._stop()
+        else:
+            await self._stop()
+
+    async def _stop(self) -> None:
         tasks = [task for _, task in self._sources.values()]
         if self._intake_task is not None:
             tasks.append(self._intake_task)
@@ -248,6 +264,9 @@ class BridgeService:
             if not self._started:  # start() was stopped before it finished: nothing to reload
                 log.warning("engines not reloaded: the bridge has not started")
                 return
+            if self._stopping:
+                log.warning("engines not reloaded: the bridge is stopping")
+                return
             await self._follow(engines, fleet)
 
     async def _follow(self, engines: list[EngineConfig], fleet: Collection[str] | None) -> None:
@@ -256,7 +275,16 @@ class BridgeService:
         wanted = {engine.name: engine for engine in engines}
         changed = [n for n, e in self._engines.items() if wanted.get(n) != e]
         if any(self._engines.get(name) != engine for name, engine in wanted.items()):
-            await self._reread_resume_points()
+            self._rereading = asyncio.ensure_future(self._reread_resume_points())
+            try:
+                await self._rereading
+            except asyncio.CancelledError:
+                if not self._stopping:
+                    raise
+                log.warning("engines not reloaded: the bridge is stopping")
+                return
+            finally:
+                self._rereading = None
         removed = [self._engines.pop(name) for name in changed]
         closed = await self._close_engines(removed)
         staying = {address.worker for e in engines for address in e.workers()}

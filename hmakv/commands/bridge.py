@@ -360,7 +360,10 @@ async def _serve(
     await asyncio.wait([starting, stopped], return_when="FIRST_COMPLETED")
     crashed = asyncio.create_task(service.wait_crashed())
     if starting.done():
-        starting.result()
+        if (error := starting.exception()) is not None:  # --listen's port taken, say
+            log.critical("the bridge did not start: %s", error)
+            await service.stop()
+            return EXIT_CRASHED
         tune_garbage_collector()
         await asyncio.wait([stopped, crashed], return_when="FIRST_COMPLETED")
     else:

@@ -122,3 +122,33 @@ async def test_a_reload_before_kafka_answers_takes_effect_once_the_bridge_has_st
     finally:
         await service.stop()
         await asyncio.to_thread(broker.stop)
+
+
+@pytest.mark.kafka
+@pytest.mark.apache
+async def test_a_stop_during_a_reload_that_waits_for_kafka_ends_it_changing_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reload reads the workers topic until Kafka answers; SIGTERM meanwhile must end it
+    without a new engine's source being added to a bridge that is closing its sources (it was
+    added once Kafka came back, and ran on a ZMQ context already destroyed)."""
+    broker = ApacheKafkaBroker(port=free_port(), data_dir=tmp_path / "kafka")
+    await asyncio.to_thread(broker.start)
+    engine, newcomer = EngineThread("engine-a"), EngineThread("engine-b")
+    settings = settings_for(broker.bootstrap, kafka_retry=0.2)
+    service = BridgeService(settings, [engine.config])
+    try:
+        with engines_running(engine, newcomer):
+            await service.start()
+            await asyncio.to_thread(broker.stop)
+            reloading = asyncio.create_task(service.reload([engine.config, newcomer.config]))
+            await asyncio.sleep(1.0)
+            assert not reloading.done()  # reading the workers topic, which is away
+            stopping = asyncio.create_task(service.stop())
+            await asyncio.wait_for(reloading, 30)
+            await asyncio.to_thread(broker.start)  # the old reload would go on now
+            await asyncio.wait_for(stopping, 60)
+    finally:
+        await asyncio.to_thread(broker.stop)
+    assert "engines not reloaded: the bridge is stopping" in caplog.text
+    assert service.readiness().sources == {"engine-a": "connected"}

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -321,6 +322,29 @@ def test_sighup_without_an_engines_file_does_not_end_the_bridge(tmp_path: Path) 
         assert bridge.wait() == 0
     finally:
         bridge.kill()
+
+
+BRIDGE = [sys.executable, "-m", "hmakv.cli", "bridge"]
+
+
+def test_a_listen_port_taken_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """A start that fails (here --listen's port is another process's) says why in the log and
+    exits 1, for the supervisor to restart it, instead of a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        kafka, listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{port}"
+        done = subprocess.run(
+            [*BRIDGE, "--kafka", kafka, "--listen", listen, "--engine", "a=tcp://127.0.0.1:1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 1, done.stderr
+    assert "the bridge did not start" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_a_log_format_from_the_environment_is_checked_like_the_flag(
