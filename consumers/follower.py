@@ -11,6 +11,12 @@ never run at the same time and need no lock:
 - ``<prefix>.workers`` (compacted, small): always every partition, so every follower knows every
   worker's catalog and health whichever event partitions it holds.
 
+A topic read by manual assignment is watched for partitions added while the follower runs (the
+bridge looks a new key's partition up, so new workers land on them): they are assigned too and
+read from their beginning. A position past a partition's end (the topic was recreated, or an
+unclean leader election truncated it) means the log is not the one the index applied: its
+workers are forgotten and the partition read again from its beginning.
+
 Positions are the follower's own: the next offset of each partition whose records the index
 contains. They are saved with each snapshot and are where a restart resumes (the group's
 committed offsets only report progress to the group's tools: state lives in this process, so a
@@ -75,6 +81,11 @@ _FETCH_TIMEOUT_MS = 500
 _TOPIC_WAIT_S = 2.0
 _BAD_RECORD_LOG_INTERVAL_S = 60.0
 _COMMIT_FAILURE_LOG_INTERVAL_S = 60.0
+_IGNORED_STATE_LOG_INTERVAL_S = 60.0
+
+# Why a worker state changed nothing (a metric label): a life older than the index's, or one
+# that was retired.
+IgnoredState = Literal["stale_epoch", "retired"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,8 @@ class FollowerConfig:
 
     ``ready_max_lag``: ready once the positions reached the log ends seen at assignment, or as
     soon as the records left over all assigned partitions are at most this many.
+    ``partition_check_interval_s``: how often the clients refresh the topics' metadata, and so
+    how soon partitions added to a topic are read.
     """
 
     bootstrap: str
@@ -97,10 +110,15 @@ class FollowerConfig:
     commit_interval_s: float = 1.0
     ready_max_lag: int = 1000
     max_records_per_fetch: int = 5000
+    partition_check_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not self.partition_check_interval_s > 0:
+            raise ValueError(
+                f"partition_check_interval_s must be positive: {self.partition_check_interval_s}"
+            )
         check_follower_id(self.follower_id)
 
     def new_index(self) -> KVIndex:
@@ -114,8 +132,13 @@ class FollowerStats:
     consumed: dict[str, int] = field(default_factory=dict)
     events_applied: int = 0
     worker_states_applied: int = 0
+    worker_states_ignored: dict[IgnoredState, int] = field(default_factory=dict)
     bad_records: dict[tuple[str, str], int] = field(default_factory=dict)  # (topic, reason)
     records_lost: int = 0
+    # Per topic: partitions whose log restarted below this follower's position.
+    log_restarts: dict[str, int] = field(default_factory=dict)
+    # Per topic: partitions added while this follower ran (manual assignment).
+    partitions_added: dict[str, int] = field(default_factory=dict)
     commits_failed: int = 0
     event_age: Buckets = field(default_factory=lambda: Buckets(EVENT_AGE_BUCKETS))
     start_offsets: dict[TopicPartition, int] = field(default_factory=dict)
@@ -133,8 +156,9 @@ class _RateLimitedLog:
     A line after a quiet spell says how many went unlogged; the metrics count every one.
     """
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, level: int = logging.WARNING) -> None:
         self._interval_s = interval_s
+        self._level = level
         self._next_at: dict[tuple[str, str], float] = {}
         self._suppressed: dict[tuple[str, str], int] = {}
 
@@ -153,7 +177,7 @@ class _RateLimitedLog:
         suppressed = self._suppressed.pop(kind, 0)
         if suppressed:
             message += f" ({suppressed} more like it since the last report)"
-        log.warning(message, *args, exc_info=error)
+        log.log(self._level, message, *args, exc_info=error)
 
 
 class Follower:
@@ -181,9 +205,12 @@ class Follower:
         # Until the snapshot is restored the index is empty: saving it would destroy the snapshot.
         self._restored = False
         self._last_commit = 0.0
+        self._next_partition_check: dict[str, float] = {}
         self._snapshot_lock = asyncio.Lock()
         self._bad_log = _RateLimitedLog(_BAD_RECORD_LOG_INTERVAL_S)
         self._commit_log = _RateLimitedLog(_COMMIT_FAILURE_LOG_INTERVAL_S)
+        # Ignored states are mostly history read while catching up: counted, noted at info.
+        self._ignored_log = _RateLimitedLog(_IGNORED_STATE_LOG_INTERVAL_S, logging.INFO)
 
     # ------------------------------------------------------------------------------ life cycle
 
@@ -203,17 +230,38 @@ class Follower:
             self._events = self._consumer(group_id=None)
             await self._events.start()
             await self._assign_all(self._events, topics.events)
+        manual_events = topics.events if self.config.mode == "replica" else None
         self._tasks = [
-            asyncio.create_task(self._consume(self._workers, self._apply_worker_state)),
-            asyncio.create_task(self._consume(self._events, self._apply_event)),
+            asyncio.create_task(
+                self._consume(self._workers, self._apply_worker_state, topics.workers),
+                name=f"consume {topics.workers}",
+            ),
+            asyncio.create_task(
+                self._consume(self._events, self._apply_event, manual_events),
+                name=f"consume {topics.events}",
+            ),
         ]
         if self.store is not None and self.config.snapshot_interval_s > 0:
-            self._tasks.append(asyncio.create_task(self._snapshot_periodically()))
+            self._tasks.append(
+                asyncio.create_task(self._snapshot_periodically(), name="periodic snapshots")
+            )
         self._started = True
 
     async def run(self) -> None:
-        """Wait until a consumer loop fails (its error propagates) or the follower is stopped."""
-        await asyncio.gather(*self._tasks)
+        """Wait until one of the follower's tasks ends, and raise its error.
+
+        The tasks loop until ``stop``, so one that ends has failed. Cancelling ``run`` (as the
+        service does on SIGTERM) leaves them running: ``stop`` cancels them once a snapshot being
+        written has finished. ``gather`` would pass the cancellation down and cut that snapshot
+        short while its thread (or a Kafka store's chunks) went on beside the final one.
+        """
+        tasks = list(self._tasks)
+        if not tasks:
+            return
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()  # its exception, or CancelledError if it was cancelled
+        raise RuntimeError(f"a follower task ended without an error: {_task_names(done)}")
 
     async def stop(self, *, final_snapshot: bool = True) -> None:
         """Stop consuming; commit what was applied (group mode), snapshot, close the clients.
@@ -250,6 +298,7 @@ class Follower:
             security=self.config.security,
             auto_offset_reset="earliest",
             enable_auto_commit=False,
+            metadata_max_age_ms=int(self.config.partition_check_interval_s * 1000),
         )
 
     async def _assign_all(self, consumer: Any, topic: str) -> None:
@@ -264,18 +313,64 @@ class Follower:
     async def _position_assigned(self, consumer: Any, tps: list[TopicPartition]) -> None:
         """Seek newly assigned partitions and note the log ends that readiness waits for."""
         beginnings = await consumer.beginning_offsets(tps)
+        ends = await consumer.end_offsets(tps)
         for tp in tps:
-            saved = self._positions.get(tp, 0)
-            if saved < beginnings[tp] and tp in self._positions:
-                await self._records_lost(consumer, tp, saved, beginnings[tp])
-            position = max(saved, beginnings[tp])
+            position = await self._start_position(consumer, tp, beginnings[tp], ends[tp])
             consumer.seek(tp, position)
             self._positions[tp] = position
             self.stats.start_offsets[tp] = position
-        ends = await consumer.end_offsets(tps)
-        for tp in tps:
-            if ends[tp] > self._positions[tp]:
+            if ends[tp] > position:
                 self._ready_targets[tp] = ends[tp]
+
+    async def _start_position(
+        self, consumer: Any, tp: TopicPartition, beginning: int, end: int
+    ) -> int:
+        """The saved position when the log still holds what follows it, else the beginning.
+
+        Behind the beginning, retention deleted records the index never applied; past the end,
+        the log is not the one the index applied (aiokafka would go back to the beginning
+        without a word, and the new log's seqs would be taken for replays).
+        """
+        saved = self._positions.get(tp)
+        if saved is None:
+            return beginning
+        if saved > end:
+            await self._log_restarted(consumer, tp, saved, f"it ends at {end}")
+            return beginning
+        if saved < beginning:
+            await self._records_lost(consumer, tp, saved, beginning)
+        return max(saved, beginning)
+
+    async def _assign_new_partitions(self, consumer: Any, topic: str) -> None:
+        """Assign the partitions added to ``topic`` since it was assigned, from their beginning.
+
+        The bridge looks a new key's partition up, so new workers land on added partitions: unread,
+        they would be missing from the index, and from lag and readiness too. The clients refresh
+        metadata every ``partition_check_interval_s``; this reads it at most as often.
+        """
+        now = time.monotonic()
+        if now < self._next_partition_check.get(topic, 0.0):
+            return
+        self._next_partition_check[topic] = now + self.config.partition_check_interval_s
+        assigned = set(consumer.assignment())
+        known = consumer.partitions_for_topic(topic) or set()
+        added = sorted({TopicPartition(topic, p) for p in known} - assigned)
+        if not added:
+            return
+        # ``assign`` replaces the assignment and forgets every position: every record before
+        # ``_positions`` is applied, so the partitions read so far go on from there.
+        consumer.assign(sorted(assigned | set(added)))
+        for tp in assigned:
+            consumer.seek(tp, self._positions[tp])
+        await self._position_assigned(consumer, added)
+        counts = self.stats.partitions_added
+        counts[topic] = counts.get(topic, 0) + len(added)
+        log.info(
+            "%s now has %d partitions: reading the new ones from their start: %s",
+            topic,
+            len(known),
+            _names(added, self._positions),
+        )
 
     async def _records_lost(self, consumer: Any, tp: TopicPartition, start: int, end: int) -> None:
         """Records ``start``..``end - 1`` of ``tp`` were deleted (retention) before this
@@ -296,51 +391,137 @@ class Follower:
 
         The lost records may have removed blocks the index still holds: until new records
         arrive, those groups under-report rather than report hits their workers may not have.
-        The partition of a key is where the bridge's producer puts it: aiokafka's default
-        partitioner over all the topic's partitions.
         """
-        partitions = consumer.partitions_for_topic(lost.topic) or await topic_partitions(
-            self.config.bootstrap, lost.topic, self.config.security
-        )
-        every = sorted(partitions)
-        partitioner = DefaultPartitioner()
-        dropped: dict[str, list[int]] = {}
-        for info in self.index.workers():
-            groups = {*info.groups, *info.last_seq, *info.resident}
-            for group in sorted(groups):
-                if partitioner(event_key(info.name, group), every, every) == lost.partition:
-                    self.index.drop_group(info.name, group)
-                    dropped.setdefault(info.name, []).append(group)
-        cleared = ", ".join(f"{worker} {groups}" for worker, groups in sorted(dropped.items()))
+        dropped = await self._groups_on(consumer, lost)
+        for worker, groups in dropped.items():
+            for group in groups:
+                self.index.drop_group(worker, group)
         log.error(
             "%s[%d]: the index forgot what these workers hold in these groups, whose records "
             "the deleted ones were: %s",
             lost.topic,
             lost.partition,
-            cleared or "none",
+            _worker_groups(dropped),
         )
+
+    async def _groups_on(self, consumer: Any, tp: TopicPartition) -> dict[str, list[int]]:
+        """The groups of each worker in the index whose records go to ``tp``.
+
+        A key's partition is where this follower read its records: the bridge keeps it for the
+        workers it follows when partitions are added. A key not read yet goes where the bridge's
+        producer would put it now: aiokafka's default partitioner over the topic's partitions.
+        """
+        partitions = consumer.partitions_for_topic(tp.topic) or await topic_partitions(
+            self.config.bootstrap, tp.topic, self.config.security
+        )
+        every = sorted(partitions)
+        partitioner = DefaultPartitioner()
+        found: dict[str, list[int]] = {}
+        for info in self.index.workers():
+            for group in sorted({*info.groups, *info.last_seq, *info.resident}):
+                read_on = self._key_partitions.get((info.name, group))
+                if read_on is not None:
+                    on_tp = read_on == tp
+                else:
+                    on_tp = partitioner(event_key(info.name, group), every, every) == tp.partition
+                if on_tp:
+                    found.setdefault(info.name, []).append(group)
+        return found
+
+    async def _log_restarted(
+        self, consumer: Any, tp: TopicPartition, position: int, found: str
+    ) -> None:
+        """``tp``'s log is below ``position``, up to which this follower read it: the topic was
+        recreated, or an unclean leader election truncated it. Counted and logged; on the events
+        topic, every worker with a key there is forgotten, seqs and epoch too, so that the new
+        log's records apply instead of being taken for replays or an older life."""
+        counts = self.stats.log_restarts
+        counts[tp.topic] = counts.get(tp.topic, 0) + 1
+        log.error(
+            "%s[%d]: this follower's position %d is past the log (%s): the topic was recreated "
+            "or truncated; reading it again from its beginning",
+            tp.topic,
+            tp.partition,
+            position,
+            found,
+        )
+        if tp.topic == self.config.topics.events:
+            await self._forget_workers_on(consumer, tp)
+
+    async def _forget_workers_on(self, consumer: Any, restarted: TopicPartition) -> None:
+        """Forget, in the index, every worker with a key on a partition whose log restarted.
+
+        The index keeps seqs and epochs per worker, so the whole worker goes (its groups on other
+        partitions under-report until new records arrive). Its catalog and health come from the
+        workers topic, which did not restart: they are kept.
+        """
+        forgotten = await self._groups_on(consumer, restarted)
+        for worker in forgotten:
+            self.index.forget_worker(worker)
+            for key in [key for key in self._key_partitions if key[0] == worker]:
+                del self._key_partitions[key]
+            state = self._worker_states.get(worker)
+            if state is not None:
+                self._keep_catalog_and_health(state)
+        self._stale = None
+        log.error(
+            "%s[%d]: the index forgot these workers (blocks, seqs, epoch), which had these groups "
+            "there: %s",
+            restarted.topic,
+            restarted.partition,
+            _worker_groups(forgotten),
+        )
+
+    def _keep_catalog_and_health(self, state: WorkerState) -> None:
+        """What the bridge says of a worker, in the index (a retired one is not in it)."""
+        health = state.health
+        if health == RETIRED:
+            return
+        if state.groups:
+            self.index.set_catalog(state.worker, state.groups)
+        self.index.set_health(state.worker, health)
 
     # ------------------------------------------------------------------------------ applying
 
-    async def _consume(self, consumer: Any, apply: Callable[[TopicPartition, Any], None]) -> None:
+    async def _consume(
+        self,
+        consumer: Any,
+        apply: Callable[[TopicPartition, Any], None],
+        assigned_topic: str | None,
+    ) -> None:
+        """Apply what ``consumer`` fetches; ``assigned_topic``: the topic it reads by manual
+        assignment, watched for added partitions (None for a group member)."""
         while True:
             batches = await consumer.getmany(
                 timeout_ms=_FETCH_TIMEOUT_MS, max_records=self.config.max_records_per_fetch
             )
             for tp, records in batches.items():
-                expected = self._positions.get(tp, records[0].offset)
-                if consumer is self._events and expected < records[0].offset:
-                    # The events topic's offsets have no holes: the consumer was reset past
-                    # records retention deleted while this follower was behind.
-                    await self._records_lost(consumer, tp, expected, records[0].offset)
+                await self._check_continuity(consumer, tp, records[0].offset)
                 for record in records:
                     apply(tp, record)
                 self._positions[tp] = records[-1].offset + 1
                 consumed = self.stats.consumed
                 consumed[tp.topic] = consumed.get(tp.topic, 0) + len(records)
             self._note_progress(batches)
-            if consumer is self._events and self.config.mode == "group":
+            if assigned_topic is not None:
+                await self._assign_new_partitions(consumer, assigned_topic)
+            elif consumer is self._events:
                 await self._commit_periodically()
+
+    async def _check_continuity(self, consumer: Any, tp: TopicPartition, first: int) -> None:
+        """A fetch starts at the position, unless aiokafka moved the consumer without a word.
+
+        Below it, the log restarted (aiokafka resets to the beginning of a log that ends before
+        the position). Past it on the events topic, whose offsets have no holes, retention deleted
+        records while this follower was behind. The workers topic is compacted: holes are normal.
+        """
+        expected = self._positions.get(tp, first)
+        if first < expected:
+            await self._log_restarted(consumer, tp, expected, f"a fetch began at {first}")
+            # Ready again once this log's end, as the fetch saw it, is reached.
+            self._ready_targets[tp] = consumer.highwater(tp) or 0
+        elif consumer is self._events and expected < first:
+            await self._records_lost(consumer, tp, expected, first)
 
     def _apply_event(self, tp: TopicPartition, message: Any) -> None:
         try:
@@ -380,27 +561,50 @@ class Follower:
             return
         replayed = message.offset < self._ready_targets.get(tp, 0)
         try:
-            self._take_worker_state(state, replayed=replayed)
+            ignored = self._take_worker_state(state, replayed=replayed)
         except Exception as error:
             self._apply_failed(tp, message, error)
             return
-        self.stats.worker_states_applied += 1
+        if ignored is None:
+            self.stats.worker_states_applied += 1
+        else:
+            self._count_ignored_state(ignored, state, tp, message)
 
-    def _take_worker_state(self, state: WorkerState, *, replayed: bool) -> None:
+    def _count_ignored_state(
+        self, reason: IgnoredState, state: WorkerState, tp: TopicPartition, message: Any
+    ) -> None:
+        """A state that changed nothing is counted by reason, apart from the applied ones, and
+        noted (at info: while catching up, older and retired lives are history)."""
+        ignored = self.stats.worker_states_ignored
+        ignored[reason] = ignored.get(reason, 0) + 1
+        self._ignored_log.warn(
+            ("worker_state", reason),
+            "ignored a state of worker %s (%s, epoch %d, %s) at %s[%d]@%d",
+            state.worker,
+            state.health,
+            state.epoch,
+            reason,
+            tp.topic,
+            tp.partition,
+            message.offset,
+        )
+
+    def _take_worker_state(self, state: WorkerState, *, replayed: bool) -> IgnoredState | None:
         """Epoch, catalog and health take effect at once; a health change is logged with its
-        cause. ``replayed``: the state was in the log before this follower caught up."""
+        cause. ``replayed``: the state was in the log before this follower caught up.
+
+        None when the state took effect, else why it changed nothing: counting those as applied
+        would hide a bridge writing states of an older life.
+        """
         if state.health == RETIRED:
-            self._retire(state)
-            return
+            return self._retire(state)
         if self.index.is_retired(state.worker, state.epoch):
-            return  # a state of a life retired since: nothing to serve
+            return "retired"  # a state of a life retired since: nothing to serve
         previous = self._worker_states.get(state.worker)
         if not self._follow_epoch(state, replayed):
-            return  # an older life's catalog and health are not those of the blocks held
+            return "stale_epoch"  # an older life's catalog and health are not those of its blocks
         self._worker_states[state.worker] = state
-        if state.groups:
-            self.index.set_catalog(state.worker, state.groups)
-        self.index.set_health(state.worker, state.health)
+        self._keep_catalog_and_health(state)
         if previous is None or previous.health != state.health:
             level = logging.WARNING if state.health == "degraded" else logging.INFO
             log.log(
@@ -411,6 +615,7 @@ class Follower:
                 state.epoch,
                 state.last_seq,
             )
+        return None
 
     def _follow_epoch(self, state: WorkerState, replayed: bool) -> bool:
         """Whether the state is of the life the index holds. A newer epoch drops the worker's
@@ -440,13 +645,17 @@ class Follower:
             )
         return False
 
-    def _retire(self, state: WorkerState) -> None:
+    def _retire(self, state: WorkerState) -> IgnoredState | None:
         """The bridge retired the worker: nothing follows its cache any more, so it is not
-        served; its records of this life that are still to be read change nothing."""
+        served; its records of this life that are still to be read change nothing. None once
+        done, else why it changed nothing."""
+        if self.index.is_retired(state.worker, state.epoch):
+            return "retired"  # read before (catching up, or written again)
         if not self.index.retire_worker(state.worker, state.epoch):
-            return  # read before (catching up), or the worker is in a later life already
+            return "stale_epoch"  # the worker is in a later life already
         log.info("worker %s retired at epoch %d: dropped", state.worker, state.epoch)
         self._drop_worker(state.worker)
+        return None
 
     def _forget(self, worker: str) -> None:
         """A tombstone on the workers topic: forget the worker, retired or not."""
@@ -756,3 +965,11 @@ def _names(
         suffix = f"@{offsets[tp]}" if offsets is not None else ""
         parts.append(f"{tp.topic}[{tp.partition}]{suffix}")
     return ", ".join(parts) or "none"
+
+
+def _worker_groups(groups: Mapping[str, list[int]]) -> str:
+    return ", ".join(f"{worker} {each}" for worker, each in sorted(groups.items())) or "none"
+
+
+def _task_names(tasks: Iterable[asyncio.Task[None]]) -> str:
+    return ", ".join(sorted(task.get_name() for task in tasks))

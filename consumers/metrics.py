@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
@@ -29,7 +29,7 @@ from bridge.records import HEALTH_STATES
 
 if TYPE_CHECKING:
     from consumers.api import ScoreStats
-    from consumers.follower import Follower
+    from consumers.follower import Follower, IgnoredState
 
 PREFIX = "hmakv_index"
 # Engine batch timestamp to applied: milliseconds when healthy, minutes when the bridge replays.
@@ -49,6 +49,8 @@ EVENT_AGE_BUCKETS = (
     60.0,
     300.0,
 )
+# Why the follower ignored a worker state: each exported, zero or not.
+IGNORED_STATE_REASONS: tuple[IgnoredState, ...] = ("stale_epoch", "retired")
 SCORE_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -176,11 +178,7 @@ class IndexCollector(Collector):
             "Event records applied to the index by this process",
             value=stats.events_applied,
         )
-        yield CounterMetricFamily(
-            f"{PREFIX}_worker_states_applied",
-            "Worker states (catalog, health) applied by this process",
-            value=stats.worker_states_applied,
-        )
+        yield from self._worker_state_families()
         bad = CounterMetricFamily(
             f"{PREFIX}_bad_records", "Records skipped as unusable", labels=["topic", "reason"]
         )
@@ -192,6 +190,7 @@ class IndexCollector(Collector):
             "Records deleted by retention before this follower applied them",
             value=stats.records_lost,
         )
+        yield from self._partition_families()
         yield CounterMetricFamily(
             f"{PREFIX}_commits_failed",
             "Group mode: offset commits that failed (as during a rebalance), retried at the next "
@@ -214,6 +213,39 @@ class IndexCollector(Collector):
         yield stats.event_age.family(
             f"{PREFIX}_event_age_seconds",
             "From the engine batch timestamp to the record being applied",
+        )
+
+    def _worker_state_families(self) -> Iterator[Metric]:
+        stats = self._follower.stats
+        yield CounterMetricFamily(
+            f"{PREFIX}_worker_states_applied",
+            "Worker states (catalog, health) applied by this process",
+            value=stats.worker_states_applied,
+        )
+        ignored = CounterMetricFamily(
+            f"{PREFIX}_worker_states_ignored",
+            "Worker states that changed nothing: an older life than the index's (stale_epoch), "
+            "or a retired one (retired)",
+            labels=["reason"],
+        )
+        for why in IGNORED_STATE_REASONS:
+            ignored.add_metric([why], stats.worker_states_ignored.get(why, 0))
+        yield ignored
+
+    def _partition_families(self) -> Iterator[Metric]:
+        stats = self._follower.stats
+        yield _per_topic(
+            "log_restarts",
+            "Partitions whose log was found below this follower's position (the topic recreated, "
+            "or truncated by an unclean leader election): read again from their beginning, the "
+            "workers with keys there forgotten",
+            stats.log_restarts,
+        )
+        yield _per_topic(
+            "partitions_added",
+            "Partitions added to a topic this follower reads by assignment, read since from their "
+            "beginning",
+            stats.partitions_added,
         )
 
     def _snapshot_families(self) -> Iterator[Metric]:
@@ -274,3 +306,10 @@ def index_registry(follower: Follower, score_stats: ScoreStats) -> CollectorRegi
     registry = CollectorRegistry(auto_describe=False)
     registry.register(IndexCollector(follower, score_stats))
     return registry
+
+
+def _per_topic(name: str, documentation: str, counts: Mapping[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(f"{PREFIX}_{name}", documentation, labels=["topic"])
+    for topic, count in sorted(counts.items()):
+        family.add_metric([topic], count)
+    return family

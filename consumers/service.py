@@ -92,6 +92,8 @@ class IndexService:
                 following.result()
         finally:
             stopping.cancel()
+            # Ends the wait in ``Follower.run`` only: its tasks (a periodic snapshot being
+            # written among them) are left to ``stop``, which lets that snapshot finish first.
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
             await self.stop(final_snapshot=not crashed)

@@ -9,10 +9,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, RecordsToDelete
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
-from bridge.kafka_client import TopicSpec, create_consumer, ensure_topics, start_producer
+from bridge.kafka_client import (
+    TopicSpec,
+    create_consumer,
+    ensure_topics,
+    start_producer,
+    topic_partitions,
+)
 from bridge.records import EventRecord, Health, Retired, Topics, WorkerState, encode, event_key
 from consumers.follower import Follower, FollowerConfig
 from hmakv.kafka import unique_topic
@@ -57,6 +64,64 @@ async def fresh_topics(bootstrap: str, *, partitions: int = 1) -> Topics:
     return topics
 
 
+async def add_partitions(bootstrap: str, topic: str, total: int) -> None:
+    """Grow ``topic`` to ``total`` partitions, as an operator does, and wait until the broker's
+    metadata says so (a producer started before that would not see them)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_partitions({topic: NewPartitions(total_count=total)})
+    finally:
+        await admin.close()
+
+    async def grown() -> bool:
+        return len(await topic_partitions(bootstrap, topic)) == total
+
+    await wait_until(grown, f"{topic} has {total} partitions")
+
+
+async def delete_records(bootstrap: str, tp: TopicPartition, before: int) -> None:
+    """What retention does: the partition's records before offset ``before`` are gone."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_records({tp: RecordsToDelete(before)})
+    finally:
+        await admin.close()
+
+
+async def recreate_topic(bootstrap: str, spec: TopicSpec) -> None:
+    """Delete the topic and create it again, empty, as an operator resetting Kafka would.
+
+    A running consumer's metadata requests may have the broker create it first (topics are
+    created on demand): either way, it is back once it exists with nothing in it."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics([spec.name])
+    finally:
+        await admin.close()
+
+    async def empty_again() -> bool:
+        await ensure_topics(bootstrap, [spec])  # "already exists" until the deletion completed
+        return await _log_ends(bootstrap, spec.name) == {0}
+
+    await wait_until(empty_again, f"{spec.name} created again")
+
+
+async def _log_ends(bootstrap: str, topic: str) -> set[int]:
+    partitions = await topic_partitions(bootstrap, topic)
+    if not partitions:
+        return set()
+    consumer = create_consumer(bootstrap, client_id="test-log-ends")
+    await consumer.start()
+    try:
+        ends = await consumer.end_offsets([TopicPartition(topic, p) for p in partitions])
+    finally:
+        await consumer.stop()
+    return set(ends.values())
+
+
 def follower_config(bootstrap: str, topics: Topics, **overrides: Any) -> FollowerConfig:
     settings: dict[str, Any] = {
         "bootstrap": bootstrap,
@@ -95,14 +160,18 @@ class LogWriter:
     async def __aexit__(self, *exc: object) -> None:
         await self._producer.stop()
 
-    async def events(self, *records: EventRecord) -> list[int]:
-        """Send in order (per key, as Kafka keeps it); the offset each record got."""
+    async def events(self, *records: EventRecord, partition: int | None = None) -> list[int]:
+        """Send in order (per key, as Kafka keeps it); the offset each record got.
+
+        ``partition``: where the bridge keeps a followed worker's keys after partitions were
+        added (by default, where the producer's partitioner puts them now)."""
         deliveries = [
             await self._producer.send(
                 self.topics.events,
                 encode(record),
                 key=event_key(record.worker, record.group_idx),
                 headers=record.headers(),
+                partition=partition,
             )
             for record in records
         ]

@@ -17,6 +17,7 @@ from follower_kit import (
     FULL,
     SWA,
     LogWriter,
+    add_partitions,
     cleared,
     committed_offsets,
     follower_config,
@@ -131,7 +132,10 @@ async def test_a_retired_worker_is_dropped_and_late_records_of_its_life_are_igno
         await log.events(record("w", 1, [stored([3])]))  # late, from the retired life
         await log.state(worker_state("w", "retired", last_seq=1))  # written again: no change
         await wait_until(lambda: events_consumed(follower) == 3, "the late record")
-        await wait_until(lambda: stats.worker_states_applied == 2, "the repeated retirement")
+        await wait_until(
+            lambda: stats.worker_states_ignored == {"retired": 1}, "the repeated retirement"
+        )
+        assert stats.worker_states_applied == 1, "the repeated retirement changed nothing"
         assert [info.name for info in follower.index.workers()] == ["v"]
         counters = follower.index.counters
         assert (counters.workers_retired, counters.retired_ignored) == (1, 1)
@@ -144,6 +148,7 @@ async def test_a_retired_worker_is_dropped_and_late_records_of_its_life_are_igno
         exposition = generate_latest(index_registry(follower, ScoreStats())).decode()
         assert "hmakv_index_workers_retired_total 1.0" in exposition
         assert 'hmakv_index_records_ignored_total{reason="retired"} 1.0' in exposition
+        assert 'hmakv_index_worker_states_ignored_total{reason="retired"} 1.0' in exposition
 
 
 async def test_bad_records_are_counted_by_reason_logged_and_skipped(
@@ -209,6 +214,35 @@ class _FailingIndex(KVIndex):
         if record.seq == self.fail_at_seq:
             raise self.failure(f"apply failed at seq {record.seq}")
         return super().apply(record)
+
+
+async def test_replica_mode_reads_partitions_added_while_it_runs(
+    kafka_bootstrap: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bridge looks a new key's partition up, so new workers (llm-d pods) land on partitions
+    added after the follower started: they are assigned and read from their beginning, and lag
+    and readiness cover them; the partitions read so far go on where they were."""
+    topics = await fresh_topics(kafka_bootstrap, partitions=1)
+    config = follower_config(kafka_bootstrap, topics, partition_check_interval_s=0.2)
+    async with running(Follower(config)) as follower:
+        async with LogWriter(kafka_bootstrap, topics) as log:
+            await log.events(record("w0", 0, [stored([1, 2])]))
+        await wait_until(lambda: follower.stats.events_applied == 1, "w0 applied")
+        with caplog.at_level(logging.INFO, logger="consumers.follower"):
+            await add_partitions(kafka_bootstrap, topics.events, 4)
+            newcomer = next(f"w{n}" for n in range(1, 64) if partition_of(f"w{n}", 0, 4) == 3)
+            async with LogWriter(kafka_bootstrap, topics) as log:
+                await log.events(record(newcomer, 0, [stored([1, 2, 3])]))
+            await wait_until(lambda: follower.stats.events_applied == 2, "the newcomer applied")
+        assert hit_tokens(follower, newcomer, [1, 2, 3]) == 48
+        every = {TopicPartition(topics.events, partition) for partition in range(4)}
+        assert follower.assigned_partitions() == every
+        assert {tp: follower.stats.start_offsets[tp] for tp in every} == dict.fromkeys(every, 0)
+        assert events_consumed(follower) == 2, "partition 0 was not read again"
+        assert follower.stats.partitions_added == {topics.events: 3}
+        assert scraped(follower, "hmakv_index_partitions_added_total", topic=topics.events) == 3
+        assert f"{topics.events} now has 4 partitions" in caplog.text
+        await wait_until(lambda: follower.ready and follower.lag() == 0, "ready")
 
 
 async def test_a_record_the_index_fails_on_is_counted_and_the_follower_goes_on(
@@ -336,14 +370,14 @@ async def score_over_http(follower: Follower, body: dict[str, Any]) -> tuple[int
         return response.status, await response.json()
 
 
-def scraped(follower: Follower, name: str) -> float:
-    """A sample of the follower's /metrics page, as Prometheus would read it."""
+def scraped(follower: Follower, name: str, **labels: str) -> float:
+    """A sample of the follower's /metrics page (with these labels), as Prometheus reads it."""
     page = generate_latest(index_registry(follower, ScoreStats())).decode()
     for family in text_string_to_metric_families(page):
         for sample in family.samples:
-            if sample.name == name:
+            if sample.name == name and labels.items() <= sample.labels.items():
                 return float(sample.value)
-    raise AssertionError(f"{name} is not exported")
+    raise AssertionError(f"{name} {labels} is not exported")
 
 
 def answered(answer: dict[str, Any], *fields: str) -> dict[str, tuple[Any, ...]]:
@@ -421,7 +455,10 @@ async def test_a_newer_epoch_on_the_workers_topic_drops_the_old_life_before_its_
         with caplog.at_level(logging.WARNING, logger="consumers.follower"):
             for _ in range(2):  # a bridge that lost its resume point, writing it again
                 await log.state(worker_state("w", "live", epoch=1, last_seq=7))
-            await wait_until(lambda: stats.worker_states_applied == 3, "the epoch 1 states")
+            await wait_until(
+                lambda: stats.worker_states_ignored == {"stale_epoch": 2}, "the epoch 1 states"
+            )
+        assert stats.worker_states_applied == 1, "only the epoch 2 state took effect"
         assert follower.index.workers()[0].epoch == 2
         assert hit_tokens(follower, "w", [1, 2, 3]) == 32
         warnings = [r for r in caplog.records if "lost its resume point" in r.getMessage()]
@@ -429,11 +466,11 @@ async def test_a_newer_epoch_on_the_workers_topic_drops_the_old_life_before_its_
 
 
 async def test_an_older_epochs_state_leaves_the_current_lifes_catalog_and_health_alone(
-    kafka_bootstrap: str,
+    kafka_bootstrap: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A late state of an older life (an old bridge still writing during a handover) must not
     loosen the hit rule of the blocks held (window blocks counted that the worker does not
-    hold) nor make a degraded worker eligible again."""
+    hold) nor make a degraded worker eligible again; it is counted as ignored, not applied."""
     topics = await fresh_topics(kafka_bootstrap)
     async with (
         LogWriter(kafka_bootstrap, topics) as log,
@@ -447,8 +484,14 @@ async def test_an_older_epochs_state_leaves_the_current_lifes_catalog_and_health
         await wait_until(lambda: resident(follower, "w", 1) == 2, "epoch 1 applied")
         assert hit_tokens(follower, "w", [1, 2, 3, 4]) == 32  # the window holds blocks 1..2
 
-        await log.state(worker_state("w", "live", epoch=0, groups={0: FULL}))
-        await wait_until(lambda: follower.stats.worker_states_applied == 2, "the epoch 0 state")
+        stats = follower.stats
+        with caplog.at_level(logging.INFO, logger="consumers.follower"):
+            await log.state(worker_state("w", "live", epoch=0, groups={0: FULL}))
+            await wait_until(lambda: stats.worker_states_ignored == {"stale_epoch": 1}, "epoch 0")
+        assert "ignored a state of worker w (live, epoch 0, stale_epoch)" in caplog.text
+        assert stats.worker_states_applied == 1
+        ignored = scraped(follower, "hmakv_index_worker_states_ignored_total", reason="stale_epoch")
+        assert ignored == 1
         [info] = follower.index.workers()
         assert (info.epoch, info.health, info.groups) == (1, "degraded", {0: FULL, 1: SWA})
         assert hit_tokens(follower, "w", [1, 2, 3, 4]) == 32

@@ -10,24 +10,31 @@ import time
 from pathlib import Path
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 from aiokafka.structs import TopicPartition
 from follower_kit import (
     SWA,
     LogWriter,
+    add_partitions,
     cleared,
+    delete_records,
     follower_config,
     fresh_topics,
     partition_of,
     record,
+    recreate_topic,
     removed,
     stored,
     wait_until,
+    worker_state,
 )
+from prometheus_client import generate_latest
 
-from bridge.kafka_client import create_consumer
+from bridge.kafka_client import TopicSpec, create_consumer
 from bridge.records import EventRecord, Topics
+from consumers.api import ScoreStats
 from consumers.follower import Follower, FollowerConfig
+from consumers.metrics import index_registry
+from consumers.service import IndexService, ServiceConfig
 from consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore, unpack
 from hmakv.kafka import unique_topic
 from producer.events import KVEvent
@@ -164,6 +171,28 @@ async def test_stop_lets_a_periodic_snapshot_finish_before_the_final_one(
     assert unpack(disk.saved[-1]).created == follower.stats.last_snapshot_at
 
 
+async def test_sigterm_during_a_periodic_snapshot_lets_it_finish_before_the_final_one(
+    kafka_bootstrap: str,
+) -> None:
+    """``hmakv index`` on SIGTERM: ``run_until`` cancels the task following the follower. That
+    cancellation must not reach a periodic snapshot being written, or its write goes on in its
+    thread beside the final one (a file store writes one ``.partial`` twice at once)."""
+    topics = await fresh_topics(kafka_bootstrap)
+    config = follower_config(kafka_bootstrap, topics, snapshot_interval_s=0.05)
+    service = IndexService(ServiceConfig(follower=config, port=0, snapshot_to="none"))
+    disk = service.follower.store = SlowDisk()
+    sigterm = asyncio.Event()
+    serving = asyncio.create_task(service.run_until(sigterm))
+    await asyncio.to_thread(disk.first_started.wait, 30)  # a periodic save is in its thread
+    sigterm.set()
+    await serving
+    assert not disk.overlapped
+    assert len(disk.saved) == 2, "the periodic snapshot and the final one"
+    stats = service.follower.stats
+    assert (stats.snapshots_written, stats.snapshots_failed) == (2, 0)
+    assert unpack(disk.saved[-1]).created == stats.last_snapshot_at
+
+
 async def test_kafka_store_keeps_only_the_newest_snapshot(kafka_bootstrap: str) -> None:
     topic = unique_topic("hmakv-snapshots")
     writer = KafkaSnapshotStore(kafka_bootstrap, topic, "keeper", chunk_bytes=100)
@@ -229,12 +258,7 @@ async def test_records_deleted_before_the_snapshot_caught_up_are_counted_as_lost
         await applied_everything(first, 10)
         await first.stop()  # snapshot at offset 10
         offsets = await log.events(*(record("a", seq, [stored([seq])]) for seq in range(10, 15)))
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    try:
-        await admin.delete_records({TopicPartition(topics.events, 0): RecordsToDelete(offsets[3])})
-    finally:
-        await admin.close()
+    await delete_records(kafka_bootstrap, TopicPartition(topics.events, 0), offsets[3])
     second = Follower(config, FileSnapshotStore(tmp_path / "index.snapshot"))
     await second.start()
     try:
@@ -271,12 +295,8 @@ async def test_groups_whose_records_were_lost_are_forgotten_not_served_as_live(
         removal, after = await log.events(
             record(lost, 1, [removed([1, 2, 3])]), record(lost, 2, [stored([7])])
         )
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    try:  # retention deletes the removal before the follower reads it
-        await admin.delete_records({TopicPartition(topics.events, 0): RecordsToDelete(after)})
-    finally:
-        await admin.close()
+    # retention deletes the removal before the follower reads it
+    await delete_records(kafka_bootstrap, TopicPartition(topics.events, 0), after)
     second = Follower(config, FileSnapshotStore(path))
     with caplog.at_level(logging.ERROR, logger="consumers.follower"):
         await second.start()
@@ -311,17 +331,118 @@ async def test_records_deleted_while_a_running_follower_is_behind_are_noticed(
             tp = TopicPartition(topics.events, 0)
             follower._events.pause(tp)
             [removal] = await log.events(record("w", 1, [removed([1, 2, 3])]))
-            admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-            await admin.start()
-            try:
-                await admin.delete_records({tp: RecordsToDelete(removal + 1)})
-            finally:
-                await admin.close()
+            await delete_records(kafka_bootstrap, tp, removal + 1)
             await log.events(record("w", 2, [stored([9])]))
             follower._events.resume(tp)
             await wait_until(lambda: follower.stats.records_lost == 1, "the deleted record noticed")
         await applied_everything(follower, 2)
         # The removal was lost: blocks 1..3 are forgotten, not served as still held.
         assert follower.index.score([1, 2, 3], 3 * 16 + 1)[0].hit_tokens == 0
+    finally:
+        await follower.stop()
+
+
+async def test_lost_records_forget_groups_where_they_were_read_not_where_keys_map_now(
+    kafka_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bridge keeps the partition of a worker it follows when partitions are added, so a
+    key's records can be on a partition other than the one the default partitioner names now:
+    the groups forgotten for lost records are those read on the partition that lost them."""
+    topics = await fresh_topics(kafka_bootstrap, partitions=1)
+    moved = next(w for w in (f"w{n}" for n in range(64)) if partition_of(w, 0, 2) == 1)
+    config = follower_config(kafka_bootstrap, topics)
+    path = tmp_path / "index.snapshot"
+    async with LogWriter(kafka_bootstrap, topics) as log:
+        await log.events(record(moved, 0, [stored([1, 2, 3])]))
+        first = Follower(config, FileSnapshotStore(path))
+        await first.start()
+        await applied_everything(first, 1)
+        await first.stop()  # the snapshot: moved's group 0 read on partition 0
+    await add_partitions(kafka_bootstrap, topics.events, 2)
+    async with LogWriter(kafka_bootstrap, topics) as log:  # the bridge keeps partition 0
+        _, after = await log.events(
+            record(moved, 1, [removed([1, 2, 3])]), record(moved, 2, [stored([7])]), partition=0
+        )
+    # retention deletes the removal before the follower reads it
+    await delete_records(kafka_bootstrap, TopicPartition(topics.events, 0), after)
+    second = Follower(config, FileSnapshotStore(path))
+    with caplog.at_level(logging.ERROR, logger="consumers.follower"):
+        await second.start()
+    try:
+        await applied_everything(second, 1)
+        assert second.stats.records_lost == 1
+        assert second.index.score([1, 2, 3], 3 * 16 + 1)[0].hit_tokens == 0
+        assert [info.resident for info in second.index.workers()] == [{0: {"GPU": 1}}]
+        assert f"{moved} [0]" in caplog.text
+    finally:
+        await second.stop()
+
+
+async def test_a_snapshot_past_the_end_of_a_recreated_topic_reads_it_again_from_the_start(
+    kafka_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The events topic was recreated (or truncated by an unclean leader election) while the
+    snapshot survived: its position is past the new log's end. aiokafka would go back to the
+    beginning without a word, and the old life's seqs and epoch would make the new log's
+    records look like replays. The restart is counted and logged, the workers with keys there
+    forgotten (their catalog and health, from the workers topic, kept), and the log read
+    again from its beginning."""
+    topics = await fresh_topics(kafka_bootstrap)
+    config = follower_config(kafka_bootstrap, topics)
+    path = tmp_path / "index.snapshot"
+    async with LogWriter(kafka_bootstrap, topics) as log:
+        await log.state(worker_state("w", "degraded", epoch=2, groups={0: SWA}))
+        await log.events(
+            *(record("w", seq, [stored([seq + 1], spec=SWA)], epoch=2) for seq in range(5))
+        )
+        first = Follower(config, FileSnapshotStore(path))
+        await first.start()
+        await applied_everything(first, 5)
+        await wait_until(lambda: first.stats.worker_states_applied == 1, "w's state")
+        await first.stop()  # the snapshot: events partition 0 read up to offset 5
+    await recreate_topic(kafka_bootstrap, TopicSpec(topics.events))
+    async with LogWriter(kafka_bootstrap, topics) as log:  # a bridge without its resume point
+        await log.events(record("w", 0, [stored([100], spec=SWA)], epoch=0))
+    second = Follower(config, FileSnapshotStore(path))
+    with caplog.at_level(logging.ERROR, logger="consumers.follower"):
+        await second.start()
+    try:
+        await applied_everything(second, 1)
+        tp = TopicPartition(topics.events, 0)
+        assert (second.stats.restored_offsets[tp], second.stats.start_offsets[tp]) == (5, 0)
+        assert second.stats.log_restarts == {topics.events: 1}
+        assert second.stats.events_applied == 1, "the new log's record applied, not a replay"
+        [info] = second.index.workers()
+        assert (info.epoch, info.last_seq, info.resident) == (0, {0: 0}, {0: {"GPU": 1}})
+        assert (info.health, info.groups) == ("degraded", {0: SWA})
+        assert "position 5 is past the log (it ends at 1)" in caplog.text
+        forgotten = "forgot these workers (blocks, seqs, epoch), which had these groups there"
+        assert f"{forgotten}: w [0]" in caplog.text
+        page = generate_latest(index_registry(second, ScoreStats())).decode()
+        assert f'hmakv_index_log_restarts_total{{topic="{topics.events}"}} 1.0' in page
+    finally:
+        await second.stop()
+
+
+async def test_a_log_restarted_under_a_running_follower_is_read_again_from_the_start(
+    kafka_bootstrap: str,
+) -> None:
+    """The same, noticed while running: aiokafka moves the consumer back to the beginning of a
+    log that ends before its position, and the first fetch starts below it."""
+    topics = await fresh_topics(kafka_bootstrap)
+    follower = Follower(follower_config(kafka_bootstrap, topics))
+    await follower.start()
+    try:
+        async with LogWriter(kafka_bootstrap, topics) as log:
+            await log.events(*(record("w", seq, [stored([seq + 1])], epoch=1) for seq in range(5)))
+        await applied_everything(follower, 5)
+        await recreate_topic(kafka_bootstrap, TopicSpec(topics.events))
+        async with LogWriter(kafka_bootstrap, topics) as log:
+            await log.events(record("w", 0, [stored([100])], epoch=0))
+        await wait_until(lambda: follower.stats.events_applied == 6, "the new log's record")
+        assert follower.stats.log_restarts == {topics.events: 1}
+        [info] = follower.index.workers()
+        assert (info.epoch, info.resident) == (0, {0: {"GPU": 1}})
+        await wait_until(lambda: follower.ready and follower.lag() == 0, "ready again")
     finally:
         await follower.stop()
