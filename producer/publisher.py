@@ -69,6 +69,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 _END_FRAMES = (b"", END_SEQ, b"")
 _LIVE_CHUNK = 64  # live batches per loop turn, so replay requests are read between chunks
+_REQUESTS_PER_TURN = 64  # replay requests read per loop turn, so live batches go between them
 _LOG_INTERVAL_S = 10.0  # at most one line per kind of trouble per interval
 
 SnapshotProvider = Callable[[], Sequence[KVEvent]]
@@ -381,7 +382,11 @@ class _PublisherLoop:
     def _receive_requests(self, now: float) -> None:
         router = self._router
         assert router is not None
-        while router.poll(0, zmq.POLLIN):
+        # A bounded number per loop turn: a client that sends without pause must not keep the
+        # thread from live batches, or from seeing shutdown. The rest wait in the socket.
+        for _ in range(_REQUESTS_PER_TURN):
+            if self._handoff.abort or not router.poll(0, zmq.POLLIN):
+                return
             frames = router.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
                 self.stats.replay_requests_invalid += 1

@@ -3,6 +3,7 @@ additions (leading clear, drops as gaps, non-blocking replies, snapshots, draini
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -420,6 +421,60 @@ def test_requests_past_max_replies_are_ignored_and_counted_until_a_reply_ends(
         reply = request_replay(replay_client(ctx, pub.replay_endpoint or ""), 295)
     assert [seq for seq, _ in reply] == list(range(295, 301))
     assert pub.stats().replay_requests_refused == 2
+
+
+class RequestFlood:
+    """Clients that send replay requests without pause, until stopped (a broken or hostile
+    client), each from a thread of its own."""
+
+    def __init__(self, endpoint: str, frames: list[bytes], clients: int = 2) -> None:
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._send, args=(endpoint, frames)) for _ in range(clients)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _send(self, endpoint: str, frames: list[bytes]) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.SNDHWM, 0)
+        dealer.connect(endpoint)
+        while not self._stop.is_set():
+            with contextlib.suppress(zmq.Again):
+                dealer.send_multipart(frames, zmq.NOBLOCK)
+        dealer.close(linger=0)
+        ctx.term()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+
+def test_a_flood_of_replay_requests_holds_up_neither_live_batches_nor_shutdown(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[str, str]
+) -> None:
+    """The publisher thread reads a bounded number of requests per turn: while clients send
+    without pause, live batches still go out and shutdown still ends (both waited for until
+    the flood stopped)."""
+    pub = publisher(endpoints, max_replies=1, shutdown_timeout=0.5)
+    sub = subscriber(ctx, local(pub.endpoint))
+    last = join_live_stream(pub, sub)
+    flood = RequestFlood(pub.replay_endpoint or "", [b"", (0).to_bytes(8, "big")])
+    try:
+        wait_until(lambda: pub.stats().replay_requests_refused > 1000, "the flood is read")
+        for block_hash in range(10):
+            pub.publish(removal(block_hash))
+        live = [receive_live(sub)[0] for _ in range(10)]  # each within WAIT_MS, flood or not
+        closing = threading.Thread(target=pub.shutdown)
+        closing.start()
+        closing.join(WAIT_MS / 1000)
+        assert not closing.is_alive(), "shutdown waited for the flood to end"
+    finally:
+        flood.stop()
+        pub.shutdown()
+    assert live == list(range(last + 1, last + 11))
 
 
 def test_reply_held_up_while_the_ring_turns_still_sends_each_seqs_own_payload(
