@@ -133,6 +133,8 @@ def group_block_hashes(
     vLLM hashes at the finest block size; hashes are chained, so the hash of a group block's last
     sub-block identifies that block and its whole prefix, and vLLM (``BlockHashListWithBlockSize``)
     uses it as the group block's hash. Sub-blocks that do not fill a group block are dropped.
+    (Older vLLM concatenated the sub-blocks' digests: its whole digests differ, but the int form,
+    the wire's default, is the same last 8 bytes, and the index keeps every hash as that int.)
     """
     if hash_block_size <= 0 or group_block_size % hash_block_size:
         raise ValueError(

@@ -29,7 +29,8 @@ from producer.hashing import group_block_hashes
 
 H = TypeVar("H", bound=Hashable)
 
-FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
+# sink_full_attention: vLLM's SinkFullAttentionManager is a FullAttentionManager.
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 SLIDING_WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 CHUNKED_LOCAL_KIND = "chunked_local_attention"
 MAMBA_KIND = "mamba"

@@ -118,6 +118,13 @@ def test_sliding_blocks_a_hit_can_never_read_are_unreachable() -> None:
     assert all(is_reachable_block(SWA_128, i, alignment=64) for i in range(8))
 
 
+def test_a_sink_full_attention_group_hits_as_full_attention_does() -> None:
+    """vLLM's SinkFullAttentionManager is a FullAttentionManager: its blocks from the start."""
+    sink = GroupSpec(kind="sink_full_attention", block_size=16)
+    cached = {0: set(range(4)), 1: {0, 1}}
+    assert find_longest_cache_hit((FULL, sink), list(range(4)), 63, cached_in(cached)) == 32
+
+
 @pytest.mark.parametrize(
     "spec",
     [
