@@ -49,11 +49,24 @@ def host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def bootstrap_servers(text: str) -> str:
+    """Kafka's ``HOST[:PORT][,...]``, checked here so a typo (in the flag or its environment
+    variable) is one line and exit 2, not a traceback from the Kafka client later."""
+    for server in text.split(","):
+        host, sep, port = server.strip().rpartition(":")
+        if not sep:
+            host, port = server.strip(), "9092"
+        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
+            raise ValueError(text)
+    return text
+
+
 positive_int.__name__ = "positive integer"
 non_negative_int.__name__ = "non-negative integer"
 positive_float.__name__ = "positive number"
 non_negative_float.__name__ = "non-negative number"
 host_port.__name__ = "HOST:PORT"
+bootstrap_servers.__name__ = "HOST[:PORT][,...]"
 
 
 def add_cluster_options(parser: argparse.ArgumentParser, topics: str) -> None:
@@ -61,6 +74,7 @@ def add_cluster_options(parser: argparse.ArgumentParser, topics: str) -> None:
     services that read hmakv's topics take them; ``topics`` names those the prefix makes."""
     parser.add_argument(
         "--kafka",
+        type=bootstrap_servers,
         default=os.environ.get("HMAKV_KAFKA_BOOTSTRAP"),
         metavar="HOST:PORT[,...]",
         help="Kafka bootstrap servers (env HMAKV_KAFKA_BOOTSTRAP; required)",

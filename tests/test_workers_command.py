@@ -134,3 +134,17 @@ def test_unknown_workers_change_nothing_and_say_so(
     assert f"no topic {absent}.workers" in capsys.readouterr().err
     # Asking did not make the broker create it (it creates topics on demand).
     assert main(["workers", "list", "--kafka", kafka_bootstrap, "--topic-prefix", absent]) == 2
+
+
+def test_bad_kafka_settings_are_usage_errors(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the bridge and the index say them: one line and exit 2, before any connection."""
+    monkeypatch.setenv("HMAKV_KAFKA_SECURITY_PROTOCOL", "bogus")
+    assert main(["workers", "list", "--kafka", "127.0.0.1:1"]) == 2
+    assert "security_protocol 'BOGUS'" in capsys.readouterr().err
+    monkeypatch.delenv("HMAKV_KAFKA_SECURITY_PROTOCOL")
+    with pytest.raises(SystemExit) as exit_:
+        main(["workers", "list", "--kafka", "host:abc"])
+    assert exit_.value.code == 2
+    assert "invalid HOST[:PORT][,...] value: 'host:abc'" in capsys.readouterr().err

@@ -30,7 +30,13 @@ from bridge.logs import JsonFormatter
 from bridge.records import DEFAULT_TOPIC_PREFIX
 from bridge.service import BridgeService, BridgeSettings, check_topology
 from bridge.tracking import DEFAULT_MAX_BUFFERED
-from hmakv.argtypes import host_port, non_negative_float, positive_float, positive_int
+from hmakv.argtypes import (
+    bootstrap_servers,
+    host_port,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 
 log = logging.getLogger("hmakv.bridge")
 
@@ -129,14 +135,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add(
         "--kafka",
+        type=bootstrap_servers,
         default=env("HMAKV_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
         metavar="HOST:PORT",
         help="Kafka bootstrap servers (env HMAKV_KAFKA_BOOTSTRAP, default 127.0.0.1:9092)",
     )
     add(
         "--topic-prefix",
-        default=env("HMAKV_BRIDGE_TOPIC_PREFIX", DEFAULT_TOPIC_PREFIX),
-        help=f"topic name prefix (env HMAKV_BRIDGE_TOPIC_PREFIX, default {DEFAULT_TOPIC_PREFIX})",
+        # HMAKV_TOPIC_PREFIX is the index's and the workers command's too: one variable for all.
+        default=env("HMAKV_BRIDGE_TOPIC_PREFIX") or env("HMAKV_TOPIC_PREFIX", DEFAULT_TOPIC_PREFIX),
+        help="topic name prefix (env HMAKV_TOPIC_PREFIX, as the index reads it, or "
+        f"HMAKV_BRIDGE_TOPIC_PREFIX for the bridge alone; default {DEFAULT_TOPIC_PREFIX})",
     )
     add(
         "--partitions",

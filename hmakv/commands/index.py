@@ -241,6 +241,9 @@ def run(args: argparse.Namespace) -> int:
     except KafkaConnectionError as exc:  # an outage, not a bug: one line, for its supervisor
         log.error("the index stopped: %s (Kafka at %s)", exc, config.follower.bootstrap)
         return EXIT_RUNTIME_FAILURE
+    except OSError as exc:  # --listen's port taken, a snapshot path or SSL file unusable
+        log.error("the index stopped: %s", exc)
+        return EXIT_RUNTIME_FAILURE
     except Exception:
         log.exception("the index stopped on an error")
         return EXIT_RUNTIME_FAILURE

@@ -74,7 +74,12 @@ def run(args: argparse.Namespace) -> int:
         print("hmakv workers: --kafka (or HMAKV_KAFKA_BOOTSTRAP) is required", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return asyncio.run(_run(args))
+        security = KafkaSecurity.from_env()
+    except ValueError as error:  # HMAKV_KAFKA_*: bad usage, as the bridge and index say it
+        print(f"hmakv workers: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return asyncio.run(_run(args, security))
     except WorkersError as error:
         print(f"hmakv workers: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -83,9 +88,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_KAFKA
 
 
-async def _run(args: argparse.Namespace) -> int:
+async def _run(args: argparse.Namespace, security: KafkaSecurity) -> int:
     topic = Topics(args.topic_prefix).workers
-    security = KafkaSecurity.from_env()
     partitions = await topic_partitions(args.kafka, topic, security)
     if not partitions:
         raise WorkersError(f"no topic {topic} (no bridge has run with this prefix)")

@@ -31,7 +31,7 @@ from bridge_harness import (
 from bridge.config import EngineConfig, Shard
 from bridge.records import Topics
 from bridge.service import BridgeService, BridgeSettings
-from hmakv.cli import main
+from hmakv.cli import build_parser, main
 from hmakv.commands import bridge as bridge_command
 from hmakv.commands.bridge import reload_engines
 from hmakv.kafka import unique_topic
@@ -345,6 +345,20 @@ def test_a_listen_port_taken_is_one_line_and_exit_1(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stderr
     assert "the bridge did not start" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_topic_prefix_the_index_reads_is_the_bridges_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """HMAKV_TOPIC_PREFIX is what the index and `hmakv workers` read: a bridge that read only
+    HMAKV_BRIDGE_TOPIC_PREFIX wrote topics that no index set up the same way ever read."""
+    monkeypatch.delenv("HMAKV_BRIDGE_TOPIC_PREFIX", raising=False)
+    monkeypatch.setenv("HMAKV_TOPIC_PREFIX", "fleet-a")
+    bridge = build_parser().parse_args(["bridge", "--engine", "a=tcp://h:1"])
+    index = build_parser().parse_args(["index", "--kafka", "k:9092"])
+    assert bridge.topic_prefix == index.topic_prefix == "fleet-a"
+    monkeypatch.setenv("HMAKV_BRIDGE_TOPIC_PREFIX", "bridge-only")  # the bridge's own, first
+    assert build_parser().parse_args(["bridge"]).topic_prefix == "bridge-only"
 
 
 def test_a_log_format_from_the_environment_is_checked_like_the_flag(

@@ -126,6 +126,10 @@ def test_missing_kafka_address_is_a_usage_error(tmp_path: Path) -> None:
     result = run_index("--snapshot-to", "none", env=env)
     assert result.returncode == 2
     assert "--kafka" in result.stderr
+    # A port that is no number, from the environment too: checked before Kafka's client sees it.
+    result = run_index("--snapshot-to", "none", env={**env, "HMAKV_KAFKA_BOOTSTRAP": "kafka:90x"})
+    assert result.returncode == 2
+    assert "invalid HOST[:PORT][,...] value: 'kafka:90x'" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -136,6 +140,7 @@ def test_missing_kafka_address_is_a_usage_error(tmp_path: Path) -> None:
         ["--listen", "8181"],
         ["--tier-weight", "GPU"],
         ["--follower-id", "a/b"],  # its snapshot's chunks are keyed <id>/<snapshot>/<n>
+        ["--kafka", "host:abc"],
     ],
 )
 def test_bad_options_are_usage_errors(argument: list[str]) -> None:
@@ -160,3 +165,14 @@ def test_kafka_out_of_reach_at_start_is_one_line_and_exit_1() -> None:
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "the index stopped" in result.stderr and "127.0.0.1:1" in result.stderr
+
+
+def test_a_snapshot_path_that_cannot_be_used_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """An operator's mistake in the environment (a file where the snapshot's directory should
+    be; a port taken, an SSL file missing are the same OSError): one line, not a traceback."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    result = run_index("--kafka", "127.0.0.1:1", "--snapshot-to", f"file:{a_file}/index.snapshot")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "the index stopped" in result.stderr and "Not a directory" in result.stderr

@@ -857,3 +857,12 @@ def test_grafana_loads_dashboards_from_the_repository_dashboards_dir() -> None:
     assert host_path(grafana, provider["options"]["path"]) == (
         REPO / "deploy" / "grafana" / "dashboards"
     )
+
+
+def test_the_index_keeps_its_snapshot_key_when_its_container_is_recreated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--follower-id keys the index's snapshots; its default, the hostname, is a new container
+    id each time the container is recreated, and the index would read the whole log again."""
+    args, _ = parse_service_command(SERVICES["index"], monkeypatch)
+    assert args.follower_id == "index"
