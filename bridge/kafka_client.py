@@ -252,8 +252,8 @@ async def topic_partitions(
     then subscribes to it to have its partitions fetched, and stops before reading anything.
     """
     consumer = create_consumer(bootstrap, client_id="hmakv-metadata", security=security)
-    await consumer.start()
-    try:
+    try:  # stopped even when start fails: it holds a client and its connections
+        await consumer.start()
         if topic not in await consumer.topics():
             return set()
         consumer.subscribe([topic])

@@ -27,8 +27,8 @@ async def read_worker_states(
 ) -> dict[str, WorkerState]:
     """The latest state of every worker in ``topic``; a record that does not decode is skipped."""
     consumer = create_consumer(bootstrap, client_id="hmakv-bridge-resume", security=security)
-    await consumer.start()
-    try:
+    try:  # stopped even when start fails: it holds a client and its connections
+        await consumer.start()
         assigned = [TopicPartition(topic, partition) for partition in sorted(partitions)]
         consumer.assign(assigned)
         await consumer.seek_to_beginning(*assigned)

@@ -234,8 +234,8 @@ class KafkaSnapshotStore:
             client_id=f"hmakv-snapshots-{self.follower_id}",
             security=self._security,
         )
-        await consumer.start()
-        try:
+        try:  # stopped even when start fails: it holds a client and its connections
+            await consumer.start()
             tp = TopicPartition(self.topic, partition)
             consumer.assign([tp])
             manifest = await _newest_manifest(consumer, tp, self._key)

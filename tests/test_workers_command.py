@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +16,7 @@ from bridge.resume import read_worker_states
 from consumers.follower import Follower, FollowerConfig
 from hmakv.cli import main
 from hmakv.kafka import unique_topic
+from hmakv.kafka.process import free_port
 from producer.events import BlockStored, GroupSpec
 
 pytestmark = pytest.mark.kafka
@@ -148,3 +151,19 @@ def test_bad_kafka_settings_are_usage_errors(
         main(["workers", "list", "--kafka", "host:abc"])
     assert exit_.value.code == 2
     assert "invalid HOST[:PORT][,...] value: 'host:abc'" in capsys.readouterr().err
+
+
+def test_kafka_out_of_reach_is_one_line_and_leaves_no_client_open() -> None:
+    """The metadata consumer that failed to start is stopped too: asyncio complained about an
+    unclosed client (a log line, and sockets left to the garbage collector)."""
+    nobody = f"127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [sys.executable, "-m", "hmakv.cli", "workers", "list", "--kafka", nobody],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "hmakv workers: Kafka at" in done.stderr
+    assert "Unclosed" not in done.stderr and "Traceback" not in done.stderr
