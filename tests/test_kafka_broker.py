@@ -7,6 +7,8 @@ outlives its owner holds a port and memory until someone notices.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import fcntl
 import json
 import os
 import shutil
@@ -22,6 +24,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from hmakv.kafka import (
+    ApacheKafkaBroker,
     BrokerDist,
     BrokerStartError,
     JarFetchError,
@@ -33,7 +36,13 @@ from hmakv.kafka import (
     local_broker,
     unique_topic,
 )
-from hmakv.kafka.process import group_is_running, start_time, stop_group
+from hmakv.kafka.process import (
+    command_line,
+    free_port,
+    group_is_running,
+    start_time,
+    stop_group,
+)
 
 BOTH_DISTS = [
     pytest.param(BrokerDist.TANSU, marks=pytest.mark.kafka, id="tansu"),
@@ -98,15 +107,46 @@ def test_apache_keeps_its_topics_in_a_given_data_dir(tmp_path: Path) -> None:
 
 
 @pytest.mark.kafka
-def test_a_broker_that_cannot_listen_fails_with_its_log() -> None:
+def test_a_taken_port_fails_the_start_before_spawning() -> None:
+    """Spawning anyway would leave the readiness probe to whatever listens there."""
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
-        broker = TansuBroker(port=squatter.getsockname()[1])
-        with pytest.raises(BrokerStartError, match=r"(?s)exited with code.*AddrInUse"):
+        port = squatter.getsockname()[1]
+        broker = TansuBroker(port=port)
+        with pytest.raises(BrokerStartError, match=f"^port {port} is in use;"):
             broker.start()
     with pytest.raises(RuntimeError, match="not running"):
         _ = broker.pid
+
+
+@pytest.mark.kafka
+@pytest.mark.apache
+def test_another_listener_answering_on_the_port_is_not_readiness(tmp_path: Path) -> None:
+    """A port taken after the start's check (here by a Tansu broker, while Kafka formats its
+    storage): the thief answers the probe while our broker dies on the port. That answer must
+    not count as ours being ready; the start fails with our broker's log instead."""
+    fetch_jars()
+    data_dir = tmp_path / "kafka"
+    broker = ApacheKafkaBroker(port=free_port(), data_dir=data_dir)
+    thief = TansuBroker(port=int(broker.bootstrap.rpartition(":")[2]))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as starter:
+        starting = starter.submit(broker.start)
+        try:
+            _wait_for_file(data_dir / "server.properties")  # checked the port, not yet bound
+            thief.start()
+            with pytest.raises(BrokerStartError, match=r"(?s)exited with code.*already in use"):
+                starting.result(timeout=120)
+        finally:
+            broker.stop()
+            thief.stop()
+
+
+def _wait_for_file(path: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
 
 
 OWNER_SCRIPT = """
@@ -154,13 +194,27 @@ def test_fetch_without_maven_names_the_command_to_run(
 # ---- hmakv kafka, as the separate processes a user or CI script runs ----
 
 
-def _hmakv_kafka(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+def _hmakv_kafka(
+    env: dict[str, str], *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "hmakv.cli", "kafka", *args],
         env=env,
+        cwd=cwd,
         capture_output=True,
         text=True,
         check=False,
+    )
+
+
+def _hmakv_kafka_popen(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    """``hmakv kafka ARGS`` left running, its stdout and stderr piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hmakv.cli", "kafka", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -242,6 +296,124 @@ def test_cli_foreground_broker_stops_cleanly_on_sigterm(cli_env: dict[str, str])
         foreground.wait()
     assert not group_is_running(pid)
     assert _hmakv_kafka(cli_env, "status").returncode == 1
+
+
+@pytest.mark.kafka
+def test_cli_stop_ends_a_foreground_broker_cleanly(cli_env: dict[str, str]) -> None:
+    """`hmakv kafka stop` is a clean way to end `start --foreground` too: Tansu exits 0 on the
+    SIGTERM it sends, which is no failure of the foreground command."""
+    foreground = _hmakv_kafka_popen(cli_env, "start", "--dist", "tansu", "--foreground")
+    try:
+        assert foreground.stdout is not None
+        bootstrap = foreground.stdout.readline().strip()
+        stopped = _hmakv_kafka(cli_env, "stop")
+        _, errors = foreground.communicate(timeout=60)
+    finally:
+        foreground.kill()
+        foreground.wait()
+    assert stopped.stdout == f"stopped the tansu broker at {bootstrap}\n", stopped.stderr
+    assert foreground.returncode == 0, errors
+    assert "ERROR" not in errors
+
+
+@pytest.mark.kafka
+def test_cli_concurrent_starts_run_one_broker_that_stop_ends(cli_env: dict[str, str]) -> None:
+    """Starts racing on one cache dir: one broker, recorded, and the others are told it runs.
+    Without the state lock two could both find no record and both start a broker, one of them
+    unrecorded and so out of `stop`'s reach."""
+    starts = [_hmakv_kafka_popen(cli_env, "start", "--dist", "tansu") for _ in range(3)]
+    results = [(*start.communicate(timeout=120), start.returncode) for start in starts]
+    addresses = [out.strip() for out, _, _ in results if out.strip()]
+    recorded = _recorded_state(cli_env)["bootstrap"]
+    stopped = _hmakv_kafka(cli_env, "stop")
+    survivors = _tansu_pids_listening_at(addresses)
+    for pid in survivors:  # leaked brokers, stopped before the asserts can fail
+        stop_group(pid)
+
+    assert sorted(code for _, _, code in results) == [0, 1, 1], results
+    assert addresses == [recorded]
+    refusals = [errors for _, errors, code in results if code == 1]
+    assert all(f"already runs at {recorded}" in errors for errors in refusals), refusals
+    assert stopped.stdout == f"stopped the tansu broker at {recorded}\n"
+    assert survivors == []
+
+
+def _tansu_pids_listening_at(addresses: list[str]) -> list[int]:
+    """The Tansu processes told to listen at any of ``addresses``, found by command line."""
+    listener_flags = [f"--listener-url tcp://{address} " for address in addresses]
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    return [pid for pid in pids if any(flag in f"{command_line(pid)} " for flag in listener_flags)]
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("action", ["start", "stop"])
+def test_cli_start_and_stop_wait_while_another_holds_the_state_lock(
+    cli_env: dict[str, str], action: str
+) -> None:
+    """Reading the state file, acting and recording is one step under the lock beside it:
+    while another command holds it, they wait (and say so) instead of acting on a record that
+    is about to change."""
+    lock_path = Path(cli_env["HMAKV_CACHE_DIR"]) / "run" / "kafka.lock"
+    lock_path.parent.mkdir()
+    env = {**cli_env, "HMAKV_LOG_LEVEL": "INFO"}
+    with lock_path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiting = _hmakv_kafka_popen(
+            env, action, *(["--dist", "tansu"] if action == "start" else [])
+        )
+        assert waiting.stderr is not None
+        said = waiting.stderr.readline()
+        still_waiting = waiting.poll() is None
+        recorded_meanwhile = lock_path.with_name("kafka.json").exists()
+    out, errors = waiting.communicate(timeout=120)
+
+    assert "waiting for another `hmakv kafka start` or `stop`" in said, (said, errors)
+    assert still_waiting
+    assert not recorded_meanwhile
+    assert waiting.returncode == 0, errors
+    assert out.strip() == (
+        _recorded_state(env)["bootstrap"] if action == "start" else "no broker running"
+    )
+
+
+@pytest.mark.kafka
+def test_cli_start_on_a_port_another_broker_holds_fails(cli_env: dict[str, str]) -> None:
+    """The other broker answering on the port must not pass for ours, which dies on it: one
+    line naming the port, exit 1, nothing on stdout and nothing recorded."""
+    with local_broker(BrokerDist.TANSU) as other:
+        port = other.bootstrap.rpartition(":")[2]
+        done = _hmakv_kafka(cli_env, "start", "--dist", "tansu", "--port", port)
+        assert broker_answers(other.bootstrap)
+
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert f"port {port} is in use" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (Path(cli_env["HMAKV_CACHE_DIR"]) / "run" / "kafka.json").exists()
+
+
+@pytest.mark.kafka
+@pytest.mark.apache
+@pytest.mark.parametrize("relative", ["data-dir", "cache-dir"])
+def test_cli_apache_starts_with_relative_paths(
+    cli_env: dict[str, str], tmp_path: Path, relative: str
+) -> None:
+    """The JVM runs in its data dir, so paths relative to where the user ran `hmakv kafka
+    start` (its config, the jars in the cache dir) must reach it made absolute."""
+    fetch_jars()
+    env, args = dict(cli_env), ["start", "--dist", "apache"]
+    if relative == "data-dir":
+        args += ["--data-dir", "kafka-data"]
+    else:
+        env["HMAKV_CACHE_DIR"] = "cache"  # cli_env's cache dir, seen from tmp_path
+
+    started = _hmakv_kafka(env, *args, cwd=tmp_path)
+
+    assert started.returncode == 0, started.stderr
+    data_dir = Path(str(_recorded_state(cli_env)["data_dir"]))
+    assert data_dir.is_absolute()
+    if relative == "data-dir":
+        assert data_dir == tmp_path / "kafka-data"
+    assert _round_trip(started.stdout.strip()) == b"hello"
 
 
 def test_cli_stop_and_status_with_no_broker(cli_env: dict[str, str]) -> None:

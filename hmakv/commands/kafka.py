@@ -7,6 +7,8 @@ One detached broker per cache dir (``HMAKV_CACHE_DIR``); its state file is what 
 short, an older format) is an error naming it, exit 1, and is left for the user to delete: a
 broker it once described may still run. A record whose pid now belongs to another process (the
 broker's start time, kept in the record, differs) is stale and cleaned up like a dead broker's.
+``start`` and ``stop`` hold a lock beside the state file while they read, act and record, so
+concurrent ones take turns: of two starts, the second finds the first's broker.
 """
 
 from __future__ import annotations
@@ -27,17 +29,20 @@ from hmakv.kafka import (
     JarFetchError,
     LocalBroker,
     StateFileError,
+    StateLockError,
     broker_answers,
     default_dist,
     fetch_jars,
     local_broker,
     state_file,
+    state_lock,
 )
 
 log = logging.getLogger(__name__)
 
-# What a broker's exit code looks like when SIGTERM ended it: the JVM's 128+15, or Popen's -15.
-_SIGTERM_EXIT_CODES = (128 + signal.SIGTERM, -signal.SIGTERM)
+# What a broker's exit code looks like when SIGTERM (from `hmakv kafka stop`, say) ended it: the
+# JVM's 128+15, Popen's -15 for a process the signal killed, or 0 from Tansu, which stops cleanly.
+_STOPPED_EXIT_CODES = (0, 128 + signal.SIGTERM, -signal.SIGTERM)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -97,13 +102,14 @@ Action = Callable[[argparse.Namespace], int]
 
 
 def _unreadable_state_fails(action: Action) -> Action:
-    """An unreadable state file ends ``action`` with its one-line message and exit 1."""
+    """An unreadable state file, or one that cannot be locked, ends ``action`` with its one-line
+    message and exit 1."""
 
     @functools.wraps(action)
     def guarded(args: argparse.Namespace) -> int:
         try:
             return action(args)
-        except StateFileError as error:
+        except (StateFileError, StateLockError) as error:
             log.error("%s", error)
             return 1
 
@@ -117,6 +123,31 @@ def start(args: argparse.Namespace) -> int:
     except ValueError:
         log.error("HMAKV_KAFKA_DIST must be one of: %s", ", ".join(BrokerDist))
         return 2
+    broker = local_broker(
+        dist, port=args.port, data_dir=args.data_dir, startup_timeout_s=args.timeout
+    )
+    try:
+        if args.foreground:
+            return _run_in_foreground(broker)
+        return _start_detached(broker)
+    except (BrokerStartError, JarFetchError) as exc:
+        log.error("%s", exc)
+        return 1
+
+
+def _start_detached(broker: LocalBroker) -> int:
+    """Start and record the broker under the state lock, so no concurrent start can slip in."""
+    with state_lock():
+        if _refused_while_one_runs():
+            return 1
+        detached = broker.start_detached()
+        _save_or_stop(detached)
+    print(detached.bootstrap, flush=True)
+    return 0
+
+
+def _refused_while_one_runs() -> bool:
+    """Whether the state file records a running broker, which is then named in the refusal."""
     running = _recorded_running_broker()
     if running is not None:
         log.error(
@@ -125,20 +156,16 @@ def start(args: argparse.Namespace) -> int:
             running.bootstrap,
             running.pid,
         )
-        return 1
-    broker = local_broker(
-        dist, port=args.port, data_dir=args.data_dir, startup_timeout_s=args.timeout
-    )
+    return running is not None
+
+
+def _save_or_stop(record: DetachedBroker) -> None:
+    """Record the broker; one that cannot be recorded is stopped, or `stop` could never find it."""
     try:
-        if args.foreground:
-            return _run_in_foreground(broker)
-        detached = broker.start_detached()
-    except (BrokerStartError, JarFetchError) as exc:
-        log.error("%s", exc)
-        return 1
-    detached.save(state_file())
-    print(detached.bootstrap, flush=True)
-    return 0
+        record.save(state_file())
+    except BaseException:
+        record.stop()
+        raise
 
 
 def _recorded_running_broker() -> DetachedBroker | None:
@@ -151,14 +178,16 @@ def _recorded_running_broker() -> DetachedBroker | None:
 
 
 def _run_in_foreground(broker: LocalBroker) -> int:
-    """Serve until Ctrl-C or SIGTERM (both end in a clean stop), or until the broker dies."""
+    """Serve until Ctrl-C or SIGTERM (both end in a clean stop), `hmakv kafka stop`, or until
+    the broker dies."""
     previous_handler = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        with broker:
-            return _serve(broker)
+        record = _start_attached(broker)
+        return 1 if record is None else _serve(broker, record)
     except KeyboardInterrupt:
         return 0
     finally:
+        broker.stop()
         signal.signal(signal.SIGTERM, previous_handler)
 
 
@@ -166,15 +195,26 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _serve(broker: LocalBroker) -> int:
-    record = broker.describe()
-    record.save(state_file())
+def _start_attached(broker: LocalBroker) -> DetachedBroker | None:
+    """Start the broker for this process to hold, and record it, under the state lock; None if
+    one already runs. The lock is not kept while serving: `hmakv kafka stop` needs it."""
+    with state_lock():
+        if _refused_while_one_runs():
+            return None
+        broker.start()
+        record = broker.describe()
+        record.save(state_file())
+    return record
+
+
+def _serve(broker: LocalBroker, record: DetachedBroker) -> int:
     print(broker.bootstrap, flush=True)
     try:
         exit_code = broker.wait()
     finally:
-        _forget_if_current(record)
-    if exit_code in _SIGTERM_EXIT_CODES:
+        with state_lock():
+            _forget_if_current(record)
+    if exit_code in _STOPPED_EXIT_CODES:
         return 0
     log.error("the %s broker exited with code %d; see %s", broker.dist, exit_code, broker.log_path)
     return 1
@@ -182,12 +222,13 @@ def _serve(broker: LocalBroker) -> int:
 
 @_unreadable_state_fails
 def stop(args: argparse.Namespace) -> int:
-    running = _recorded_running_broker()
-    if running is None:
-        print("no broker running")
-        return 0
-    running.stop()
-    _forget_if_current(running)
+    with state_lock():
+        running = _recorded_running_broker()
+        if running is None:
+            print("no broker running")
+            return 0
+        running.stop()
+        _forget_if_current(running)
     print(f"stopped the {running.dist} broker at {running.bootstrap}")
     return 0
 

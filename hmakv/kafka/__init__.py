@@ -16,8 +16,10 @@ from hmakv.kafka.state import (
     BrokerDist,
     DetachedBroker,
     StateFileError,
+    StateLockError,
     default_dist,
     state_file,
+    state_lock,
 )
 from hmakv.kafka.topics import unique_topic
 
@@ -29,6 +31,7 @@ __all__ = [
     "JarFetchError",
     "LocalBroker",
     "StateFileError",
+    "StateLockError",
     "TansuBroker",
     "broker_answers",
     "cache_dir",
@@ -38,5 +41,6 @@ __all__ = [
     "kafka_version",
     "local_broker",
     "state_file",
+    "state_lock",
     "unique_topic",
 ]

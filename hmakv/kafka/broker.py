@@ -31,7 +31,9 @@ from hmakv.kafka.probe import broker_answers
 from hmakv.kafka.process import (
     LOOPBACK,
     free_port,
+    listens_on,
     log_tail,
+    port_is_free,
     spawn_group,
     start_time,
     stop_group,
@@ -74,7 +76,9 @@ class LocalBroker(ABC):
     """One broker process on 127.0.0.1, with its config and log in ``data_dir``.
 
     Without a ``data_dir`` a temporary one is made at start and removed at stop; a given one is
-    kept (an Apache broker then finds its topics again on the next start).
+    kept (an Apache broker then finds its topics again on the next start). A relative one is
+    taken from the current directory: the broker runs in its data dir, where the paths it is
+    given must still lead to its config.
     """
 
     dist: ClassVar[BrokerDist]
@@ -88,7 +92,7 @@ class LocalBroker(ABC):
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     ) -> None:
         self._port = port or free_port()
-        self._given_data_dir = data_dir
+        self._given_data_dir = None if data_dir is None else data_dir.absolute()
         self._data_dir: Path | None = None
         self._startup_timeout_s = startup_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
@@ -176,6 +180,7 @@ class LocalBroker(ABC):
     def _launch(self, *, die_with_parent: bool) -> None:
         if self._process is not None:
             raise RuntimeError(f"the {self.dist} broker is already running")
+        self._refuse_a_taken_port()
         self._data_dir = self._given_data_dir or Path(
             tempfile.mkdtemp(prefix=f"hmakv-kafka-{self.dist}-")
         )
@@ -185,6 +190,15 @@ class LocalBroker(ABC):
         except BaseException:
             self.stop()
             raise
+
+    def _refuse_a_taken_port(self) -> None:
+        """A port someone else holds fails the start at once. Otherwise our broker would die on
+        it while whatever listens there answered the readiness probe in its place."""
+        if not port_is_free(self._port):
+            raise BrokerStartError(
+                f"port {self._port} is in use; the {self.dist} broker cannot listen on "
+                f"{self.bootstrap}"
+            )
 
     def _spawn(self, data_dir: Path, *, die_with_parent: bool) -> subprocess.Popen[bytes]:
         """Make the data dir, write the config, start the process. An unusable data dir (a file,
@@ -205,13 +219,23 @@ class LocalBroker(ABC):
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self._startup_timeout_s
-        while not broker_answers(self.bootstrap):
+        while not self._answers(process):
             exit_code = process.poll()
             if exit_code is not None:
                 raise self._start_error(f"exited with code {exit_code} before it was ready")
             if time.monotonic() >= deadline:
                 raise self._start_error(f"was not ready within {self._startup_timeout_s:.0f}s")
             time.sleep(0.1)
+
+    def _answers(self, process: subprocess.Popen[bytes]) -> bool:
+        """Whether our broker answers: alive and holding the listener that did. The port may
+        have been taken after the check in ``_launch``, and that listener answers as well while
+        ours starts or dies on it."""
+        return (
+            broker_answers(self.bootstrap)
+            and process.poll() is None
+            and listens_on(process.pid, self._port)
+        )
 
     def _start_error(self, what_happened: str) -> BrokerStartError:
         """The log tail goes into the message: a temporary data dir is gone once start fails."""

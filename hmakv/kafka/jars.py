@@ -24,9 +24,13 @@ class JarFetchError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Where hmakv keeps downloads and run state; ``HMAKV_CACHE_DIR`` moves it (CI caches it)."""
+    """Where hmakv keeps downloads and run state; ``HMAKV_CACHE_DIR`` moves it (CI caches it).
+
+    Absolute even when ``HMAKV_CACHE_DIR`` is relative: the Apache broker runs in its data dir,
+    and a relative classpath would point into it.
+    """
     configured = os.environ.get("HMAKV_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "hmakv"
+    return Path(configured).absolute() if configured else Path.home() / ".cache" / "hmakv"
 
 
 def kafka_version() -> str:

@@ -48,13 +48,24 @@ def free_port(consecutive: int = 1) -> int:
     raise OSError(f"no free loopback port in {candidates.start}..{candidates.stop - 1}")
 
 
-def _bindable(port: int) -> bool:
+def _bindable(port: int, *, reuse_address: bool = False) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        if reuse_address:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((LOOPBACK, port))
         except OSError:
             return False
         return True
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a listener could bind loopback ``port`` now, as the brokers bind it.
+
+    With SO_REUSEADDR, as Kafka's JVM and Tansu set it: the TIME_WAIT left by a broker that just
+    stopped on that port does not count as in use, a listener or any other bound socket does.
+    """
+    return _bindable(port, reuse_address=True)
 
 
 # A private generator: tests that seed the global one (hypothesis does) must not repeat ports.
@@ -213,6 +224,54 @@ def _wait_gone(pgid: int, timeout_s: float) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a socket listening on TCP ``port`` (IPv4 or IPv6).
+
+    What tells a broker's own listener from another process's on the same port, which answers
+    just as well. Without ``/proc`` there is no telling: True, and the caller relies on the
+    process being alive.
+    """
+    if not has_proc():
+        return True
+    return not _listening_socket_inodes(port).isdisjoint(_socket_inodes(pid))
+
+
+_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
+
+
+def _listening_socket_inodes(port: int) -> set[str]:
+    """The inodes of this network namespace's TCP sockets listening on ``port``."""
+    inodes: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = _PROC.joinpath("net", table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl, local, remote, state, ..., inode (10th)
+            local_port = int(fields[1].rpartition(":")[2], 16)
+            if fields[3] == _TCP_LISTEN and local_port == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets ``pid`` has open, from its ``socket:[INODE]`` fd links."""
+    try:
+        fds = list(_PROC.joinpath(str(pid), "fd").iterdir())
+    except OSError:
+        return set()
+    inodes: set[str] = set()
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target.removeprefix("socket:[").removesuffix("]"))
+    return inodes
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

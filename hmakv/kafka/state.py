@@ -7,19 +7,28 @@ start time. The pid alone is not enough: once the broker is gone Linux may hand 
 process, which may even lead a process group of its own, and ``stop`` must never signal that.
 Records written before the start time was kept are checked by the broker's command line instead,
 which names its address (Tansu) or its data dir (Apache).
+
+``start`` and ``stop`` read the file, act, and write it: ``state_lock`` makes that one step, so
+two concurrent starts cannot both find no broker and both start one, one of them unrecorded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
 from hmakv.kafka.jars import cache_dir
 from hmakv.kafka.process import command_line, group_is_running, has_proc, start_time, stop_group
+
+log = logging.getLogger(__name__)
 
 
 class BrokerDist(StrEnum):
@@ -37,6 +46,39 @@ def default_dist() -> BrokerDist:
 def state_file() -> Path:
     """One detached broker per cache dir; its record lives here."""
     return cache_dir() / "run" / "kafka.json"
+
+
+class StateLockError(RuntimeError):
+    """The state file's lock cannot be made or taken (an unwritable cache dir, say)."""
+
+
+@contextlib.contextmanager
+def state_lock() -> Iterator[None]:
+    """Hold the exclusive lock on the state file (``kafka.lock`` beside it) while in the block.
+
+    Waits for another holder, saying so, since an Apache start can hold it for minutes. An
+    ``flock`` ends with its process, so a killed command never leaves the lock behind.
+    """
+    path = state_file().with_name("kafka.lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = path.open("a")
+    except OSError as error:
+        raise StateLockError(f"cannot create the lock file {path}: {error}") from None
+    with lock:
+        _take(lock.fileno(), path)
+        yield
+
+
+def _take(fd: int, path: Path) -> None:
+    """Lock ``fd`` exclusively, telling the user when it means waiting for another command."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.info("waiting for another `hmakv kafka start` or `stop` to finish (%s)", path)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as error:
+        raise StateLockError(f"cannot lock {path}: {error}") from None
 
 
 class StateFileError(ValueError):
