@@ -194,9 +194,15 @@ def _tier_weights(args: argparse.Namespace) -> dict[str, float]:
     if args.tier_weight:
         return dict(args.tier_weight)
     configured = _env("TIER_WEIGHT")
-    if configured:
+    if not configured:
+        return dict(DEFAULT_TIER_WEIGHTS)
+    try:
         return dict(_tier_weight(part) for part in configured.split(",") if part)
-    return dict(DEFAULT_TIER_WEIGHTS)
+    except ValueError as error:  # float()'s message names neither the variable nor the value
+        raise ValueError(
+            f"{_ENV_PREFIX}TIER_WEIGHT={configured!r}: expected MEDIUM=WEIGHT[,...], "
+            "weights finite and not negative"
+        ) from error
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:

@@ -150,7 +150,11 @@ def test_bad_options_are_usage_errors(argument: list[str]) -> None:
 
 @pytest.mark.parametrize(
     ("variable", "value"),
-    [("HMAKV_INDEX_MODE", "solo"), ("HMAKV_INDEX_HASH_FN", "sha256")],  # vLLM's name, not ours
+    [
+        ("HMAKV_INDEX_MODE", "solo"),
+        ("HMAKV_INDEX_HASH_FN", "sha256"),  # vLLM's name, not ours
+        ("HMAKV_INDEX_TIER_WEIGHT", "GPU=1,bad"),
+    ],
 )
 def test_bad_options_from_the_environment_are_usage_errors(variable: str, value: str) -> None:
     """argparse checks an option's choices, not a default that came from the environment."""
