@@ -10,8 +10,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hmakv.argtypes import positive_float
+
+if TYPE_CHECKING:
+    from hmakv.demo.config import EngineSpec
 
 EXIT_BAD_USAGE = 2
 
@@ -117,7 +121,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--engines",
         type=_engine_count,
-        default=_env("ENGINES", "2"),
+        default=None,  # HMAKV_DEMO_ENGINES is read after the flags: see engines_of
         metavar="N",
         help="how many engines, each with another cache layout (default 2: gpt-oss-like "
         "and gemma3-like)",
@@ -177,16 +181,31 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(func=run)
 
 
+def engines_of(args: argparse.Namespace) -> tuple[EngineSpec, ...]:
+    """The engines asked for: flags before the environment (--engine, --engines, then
+    HMAKV_DEMO_ENGINE, HMAKV_DEMO_ENGINES), else the default line-up of two."""
+    from hmakv.demo.config import chosen_engines, engine_lineup
+
+    if args.engine_choices:
+        return chosen_engines(args.engine_choices, args.seed)
+    if args.engines is not None:
+        return engine_lineup(args.engines, args.seed)
+    choices = _env_engines()
+    if choices:
+        return chosen_engines(choices, args.seed)
+    count = _env("ENGINES") or "2"
+    try:
+        return engine_lineup(_engine_count(count), args.seed)
+    except ValueError as error:
+        raise ValueError(f"HMAKV_DEMO_ENGINES={count!r}: expected 2 to 6") from error
+
+
 def run(args: argparse.Namespace) -> int:
-    from hmakv.demo.config import DemoConfig, chosen_engines, default_workdir, engine_lineup
+    from hmakv.demo.config import DemoConfig, default_workdir
     from hmakv.demo.run import run_demo
 
     try:
-        choices = args.engine_choices or _env_engines()
-        if choices:
-            engines = chosen_engines(choices, args.seed)
-        else:
-            engines = engine_lineup(args.engines, args.seed)
+        engines = engines_of(args)
     except (ValueError, argparse.ArgumentTypeError) as error:
         print(f"hmakv demo: {error}", file=sys.stderr)
         return EXIT_BAD_USAGE

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,7 +178,12 @@ def build_summary(
     ]
     pipeline = _pipeline(engines, last)
     routing = _routing(stats)
-    problems = [*_unclean_exits(facts), *_problems(pipeline, routing, min_compared)]
+    compared = {engine.worker: engine.answers_compared for engine in engines}
+    problems = [
+        *_unclean_exits(facts),
+        *_problems(pipeline, routing),
+        *too_few_compared(compared, min_compared),
+    ]
     return Summary(
         started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(facts.started_at)),
         run_s=round(facts.run_s, 3),
@@ -363,15 +368,20 @@ def _unclean_exits(facts: RunFacts) -> list[str]:
     return problems
 
 
-def _problems(pipeline: Pipeline, routing: Routing, min_compared: int) -> list[str]:
+def too_few_compared(compared: Mapping[str, int], min_compared: int) -> list[str]:
+    """Each engine's answers must have been compared: "agrees with every engine" is not shown by
+    one engine's answers, and another's never compared (its probes all raced or failed)."""
+    return [
+        f"only {count} answers of {name} compared (at least {min_compared} expected)"
+        for name, count in compared.items()
+        if count < min_compared
+    ]
+
+
+def _problems(pipeline: Pipeline, routing: Routing) -> list[str]:
     problems = []
     if pipeline.lost:
         problems.append(f"{pipeline.lost} lost (see pipeline)")
-    if routing.worker_answers_compared < min_compared:
-        problems.append(
-            f"only {routing.worker_answers_compared} worker answers compared "
-            f"(at least {min_compared} expected)"
-        )
     if routing.hma_agreeing != routing.worker_answers_compared:
         wrong = routing.worker_answers_compared - routing.hma_agreeing
         problems.append(f"the HMA-aware index disagreed with the engine {wrong} times")

@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 
 from bridge.config import load_engines_file
+from hmakv.cli import build_parser
+from hmakv.commands.demo import engines_of
 from hmakv.demo.client import GroupSpecView, WorkerView
 from hmakv.demo.config import ENGINE_LINEUP, chosen_engines, engine_lineup, parse_engine
 from hmakv.demo.probe import holds_exactly, same_state
 from hmakv.demo.promtext import MetricsPage, bucket_difference, bucket_quantile
 from hmakv.demo.recordlog import RecordLog
 from hmakv.demo.run import EngineEndpoints, bridge_engines_toml
-from hmakv.demo.summary import read_engine_exit
+from hmakv.demo.summary import read_engine_exit, too_few_compared
 from producer.events import GroupSpec
 
 HMAKV = Path(sys.executable).with_name("hmakv")
@@ -255,3 +257,27 @@ def test_a_path_that_cannot_be_used_is_bad_usage(
     expected = message.format(path=path, parent=path.parent)
     assert f"hmakv demo: {expected}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_every_engine_needs_answers_compared_for_the_verdict() -> None:
+    """One engine's answers do not show that the index agrees with every engine: an engine
+    whose probes all raced or failed makes the run not OK, however many the other had."""
+    assert too_few_compared({"engine-a": 40, "engine-b": 3}, 3) == []
+    assert too_few_compared({"engine-a": 40, "engine-b": 0}, 1) == [
+        "only 0 answers of engine-b compared (at least 1 expected)"
+    ]
+
+
+def test_engine_flags_come_before_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--engines on the command line wins over HMAKV_DEMO_ENGINE in the environment, as every
+    flag wins over its variable; without flags the variables count, then the line-up of two."""
+    monkeypatch.setenv("HMAKV_DEMO_ENGINE", "gpt-oss-like:chat,gemma3-like:documents")
+    parser = build_parser()
+    assert len(engines_of(parser.parse_args(["demo", "--engines", "4"]))) == 4
+    assert len(engines_of(parser.parse_args(["demo"]))) == 2
+    monkeypatch.delenv("HMAKV_DEMO_ENGINE")
+    monkeypatch.setenv("HMAKV_DEMO_ENGINES", "3")
+    assert len(engines_of(build_parser().parse_args(["demo"]))) == 3
+    monkeypatch.setenv("HMAKV_DEMO_ENGINES", "9")
+    with pytest.raises(ValueError, match="HMAKV_DEMO_ENGINES='9': expected 2 to 6"):
+        engines_of(build_parser().parse_args(["demo"]))
