@@ -164,27 +164,29 @@ class Demo:
         if self.config.use_model and not self.use_model:
             self.say("torch is not installed: the engines run without their model (--no-model)")
         http = Http()
-        try:
-            with self.signals.installed(asyncio.get_running_loop()):
+        # The handlers stay through the clean-up: a second Ctrl-C (or a SIGTERM) while children
+        # stop would otherwise raise in the middle of it, leaving the broker and its files.
+        with self.signals.installed(asyncio.get_running_loop()):
+            try:
                 return await self._run(http)
-        except Interrupted:
-            self.say("interrupted while starting: stopping everything")
-            return EXIT_INTERRUPTED
-        except (
-            DemoFailed,
-            ChildExited,
-            BrokerStartError,
-            JarFetchError,
-            ServiceError,
-            KafkaError,
-            TimeoutError,
-        ) as error:
-            self.say(f"hmakv demo failed: {error or type(error).__name__}")
-            return EXIT_FAILED
-        finally:
-            await http.close()
-            self._stop_everything()
-            await self._delete_topics()  # a failed or interrupted run's topics too
+            except Interrupted:
+                self.say("interrupted while starting: stopping everything")
+                return EXIT_INTERRUPTED
+            except (
+                DemoFailed,
+                ChildExited,
+                BrokerStartError,
+                JarFetchError,
+                ServiceError,
+                KafkaError,
+                TimeoutError,
+            ) as error:
+                self.say(f"hmakv demo failed: {error or type(error).__name__}")
+                return EXIT_FAILED
+            finally:
+                await http.close()
+                self._stop_everything()
+                await self._delete_topics()  # a failed or interrupted run's topics too
 
     async def _run(self, http: Http) -> int:
         engines = [
@@ -479,13 +481,16 @@ class Demo:
         return True
 
     def _stop_everything(self) -> None:
-        """Every child group (reverse start order), then the embedded broker."""
-        if self.children.started:
-            self.children.stop_all(STOP_GRACE_S)
-        if self.broker is not None:
-            self._keep_broker_log(self.broker)
-            self.broker.stop()
-            self.broker = None
+        """Every child group (reverse start order), then the embedded broker, whatever the
+        children's stop raised."""
+        try:
+            if self.children.started:
+                self.children.stop_all(STOP_GRACE_S)
+        finally:
+            if self.broker is not None:
+                self._keep_broker_log(self.broker)
+                self.broker.stop()
+                self.broker = None
 
     async def _delete_topics(self) -> None:
         """On an existing cluster, remove the topics this run created (its prefix is its own),

@@ -281,3 +281,47 @@ def test_engine_flags_come_before_the_environment(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("HMAKV_DEMO_ENGINES", "9")
     with pytest.raises(ValueError, match="HMAKV_DEMO_ENGINES='9': expected 2 to 6"):
         engines_of(build_parser().parse_args(["demo"]))
+
+
+CTRL_C_WHILE_STOPPING = """
+import asyncio, os, signal, sys, threading
+from pathlib import Path
+import hmakv.demo.run as run
+from hmakv.demo.config import DemoConfig
+
+class Broker:  # stands in for the embedded broker: what matters is that it is stopped
+    pid = None
+    log_path = Path("/nonexistent")
+    def stop(self):
+        print("broker stopped", flush=True)
+
+async def failing_run(self, http):
+    self.broker = Broker()
+    # a child that takes 3 s to stop on SIGTERM, as a bridge draining its queue may
+    slow = "trap 'sleep 3; exit 0' TERM; while :; do sleep 0.1; done"
+    self.children.spawn("slow", ["sh", "-c", slow])
+    await asyncio.sleep(0.5)
+    raise run.DemoFailed("a service did not start")
+
+run.Demo._run = failing_run
+demo = run.Demo(DemoConfig(workdir=Path(sys.argv[1]), use_model=False))
+threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()  # while it stops
+print("exit", asyncio.run(demo.run()), flush=True)
+"""
+
+
+def test_ctrl_c_while_a_failed_run_stops_its_children_still_stops_the_broker(
+    tmp_path: Path,
+) -> None:
+    """The signal handlers stay installed through the clean-up: Ctrl-C there raised a
+    KeyboardInterrupt in the middle of stopping the children, and the broker was never stopped
+    (nor its files removed). The services are stand-ins: what is tested is the clean-up."""
+    done = subprocess.run(
+        [sys.executable, "-c", CTRL_C_WHILE_STOPPING, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.splitlines()[-2:] == ["broker stopped", "exit 1"], done.stdout
