@@ -367,14 +367,25 @@ class Demo:
         probing = asyncio.create_task(prober.run(stop_probe))
         try:
             await self._until_done(probing)
+        except BaseException:
+            probing.cancel()  # a service died: the probe in flight would wait out its retries
+            raise
         finally:
             stop_probe.set()
             stop_watch.set()
+            await self._let_finish(probing)
             await asyncio.gather(probing, *watchers, return_exceptions=True)
             live.show()
             live.finish()
         if probing.done() and not probing.cancelled() and probing.exception() is not None:
             raise DemoFailed(f"the probe client failed: {probing.exception()}")
+
+    async def _let_finish(self, probing: asyncio.Task[None]) -> None:
+        """The probe in flight finishes (its answers count), unless a second signal hurries."""
+        hurry = asyncio.ensure_future(self.signals.hurry.wait())
+        await asyncio.wait({probing, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        hurry.cancel()
+        probing.cancel()  # nothing if it finished
 
     async def _until_done(self, probing: asyncio.Task[None]) -> None:
         """Until ``duration`` is up, a signal arrives, a service dies or the probe fails."""

@@ -4,6 +4,7 @@ answer, how /metrics pages and histograms are read, and the engine exit line the
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -325,3 +326,20 @@ def test_ctrl_c_while_a_failed_run_stops_its_children_still_stops_the_broker(
     )
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stdout.splitlines()[-2:] == ["broker stopped", "exit 1"], done.stdout
+
+
+async def test_a_second_signal_ends_the_probe_in_flight(tmp_path: Path) -> None:
+    """A probe's attempts can take 20 s against a service that died: the first Ctrl-C lets the
+    probe in flight finish (its answers count), the second does not wait for it."""
+    from hmakv.demo.config import DemoConfig
+    from hmakv.demo.run import Demo
+
+    demo = Demo(DemoConfig(workdir=tmp_path, use_model=False))
+    probe_in_flight = asyncio.create_task(asyncio.sleep(3600))
+    demo.signals()  # the first: stop
+    finishing = asyncio.create_task(demo._let_finish(probe_in_flight))
+    await asyncio.sleep(0.1)
+    assert not finishing.done()
+    demo.signals()  # the second: hurry
+    await asyncio.wait_for(finishing, 10)
+    assert probe_in_flight.cancelled()
