@@ -216,10 +216,12 @@ class Demo:
         )
         following: asyncio.Task[None] | None = None
         try:
-            await record_log.start()
+            await record_log.start()  # up to 30 s: a Ctrl-C here is still one while starting
+            self._raise_if_interrupted()
             following = asyncio.create_task(record_log.run())
             self._run_started = time.monotonic()
             first = await monitor.sample()
+            self._raise_if_interrupted()
             await self._run_phase(monitor, prober)
         finally:
             if following is not None:
@@ -232,6 +234,10 @@ class Demo:
         summary = self._summarise(first, last, prober, run_s, exits)
         await asyncio.to_thread(self._stop_everything)
         return self._finish(summary, monitor, prober)
+
+    def _raise_if_interrupted(self) -> None:
+        if self.signals.stop.is_set():
+            raise Interrupted
 
     # ------------------------------------------------------------------------------ start
 
@@ -339,8 +345,7 @@ class Demo:
     ) -> None:
         deadline = time.monotonic() + timeout_s
         while not await ready():
-            if self.signals.stop.is_set():
-                raise Interrupted
+            self._raise_if_interrupted()
             self.children.check_alive()
             if time.monotonic() >= deadline:
                 raise DemoFailed(f"{what} did not answer within {timeout_s:.0f} s")

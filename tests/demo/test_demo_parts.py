@@ -343,3 +343,41 @@ async def test_a_second_signal_ends_the_probe_in_flight(tmp_path: Path) -> None:
     demo.signals()  # the second: hurry
     await asyncio.wait_for(finishing, 10)
     assert probe_in_flight.cancelled()
+
+
+CTRL_C_IN_THE_LAST_START_UP_WAIT = """
+import asyncio, os, signal, sys
+from pathlib import Path
+import hmakv.demo.run as run
+from hmakv.demo.config import DemoConfig
+
+async def services_up(self, http, engines, index):
+    pass
+
+async def record_log_start(self):  # the record log's consumer joining, when Ctrl-C comes
+    os.kill(os.getpid(), signal.SIGINT)
+    await asyncio.sleep(0.2)
+
+async def record_log_stop(self):
+    pass
+
+run.Demo._start_services = services_up
+run.RecordLog.start = record_log_start
+run.RecordLog.stop = record_log_stop
+print("exit", asyncio.run(run.Demo(DemoConfig(workdir=Path(sys.argv[1]), use_model=False)).run()))
+"""
+
+
+def test_ctrl_c_in_the_last_wait_of_start_up_exits_130(tmp_path: Path) -> None:
+    """The record log's consumer may take 30 s to join: a Ctrl-C then is an interrupted start
+    (130, as the help says), not a run that compared nothing (1). Services are stand-ins."""
+    done = subprocess.run(
+        [sys.executable, "-c", CTRL_C_IN_THE_LAST_START_UP_WAIT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "interrupted while starting" in done.stdout
+    assert done.stdout.splitlines()[-1] == "exit 130", done.stdout
