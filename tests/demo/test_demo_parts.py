@@ -284,6 +284,17 @@ def test_engine_flags_come_before_the_environment(monkeypatch: pytest.MonkeyPatc
         engines_of(build_parser().parse_args(["demo"]))
 
 
+def run_script(script: str, workdir: Path) -> subprocess.CompletedProcess[str]:
+    """A demo with stand-ins patched in, as a process of its own (it signals itself)."""
+    return subprocess.run(
+        [sys.executable, "-c", script, str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 CTRL_C_WHILE_STOPPING = """
 import asyncio, os, signal, sys, threading
 from pathlib import Path
@@ -317,13 +328,7 @@ def test_ctrl_c_while_a_failed_run_stops_its_children_still_stops_the_broker(
     """The signal handlers stay installed through the clean-up: Ctrl-C there raised a
     KeyboardInterrupt in the middle of stopping the children, and the broker was never stopped
     (nor its files removed). The services are stand-ins: what is tested is the clean-up."""
-    done = subprocess.run(
-        [sys.executable, "-c", CTRL_C_WHILE_STOPPING, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_script(CTRL_C_WHILE_STOPPING, tmp_path)
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stdout.splitlines()[-2:] == ["broker stopped", "exit 1"], done.stdout
 
@@ -371,13 +376,7 @@ print("exit", asyncio.run(run.Demo(DemoConfig(workdir=Path(sys.argv[1]), use_mod
 def test_ctrl_c_in_the_last_wait_of_start_up_exits_130(tmp_path: Path) -> None:
     """The record log's consumer may take 30 s to join: a Ctrl-C then is an interrupted start
     (130, as the help says), not a run that compared nothing (1). Services are stand-ins."""
-    done = subprocess.run(
-        [sys.executable, "-c", CTRL_C_IN_THE_LAST_START_UP_WAIT, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_script(CTRL_C_IN_THE_LAST_START_UP_WAIT, tmp_path)
     assert "Traceback" not in done.stderr, done.stderr
     assert "interrupted while starting" in done.stdout
     assert done.stdout.splitlines()[-1] == "exit 130", done.stdout
