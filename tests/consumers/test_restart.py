@@ -296,10 +296,7 @@ async def test_groups_whose_records_were_lost_are_forgotten_not_served_as_live(
             record(lost, 1, [removed([1, 2, 3])]), record(lost, 2, [stored([7])])
         )
     # retention deletes the removal before the follower reads it
-    await delete_records(kafka_bootstrap, TopicPartition(topics.events, 0), after)
-    second = Follower(config, FileSnapshotStore(path))
-    with caplog.at_level(logging.ERROR, logger="consumers.follower"):
-        await second.start()
+    second = await restarted_after_retention(kafka_bootstrap, config, path, after, caplog)
     try:
         await applied_everything(second, 1)
         assert second.stats.records_lost == after - removal
@@ -313,6 +310,22 @@ async def test_groups_whose_records_were_lost_are_forgotten_not_served_as_live(
         assert f"{lost} [0]" in caplog.text
     finally:
         await second.stop()
+
+
+async def restarted_after_retention(
+    bootstrap: str,
+    config: FollowerConfig,
+    path: Path,
+    deleted_before: int,
+    caplog: pytest.LogCaptureFixture,
+) -> Follower:
+    """Retention deletes the events' partition 0 up to ``deleted_before`` while the follower is
+    down; it starts again from its snapshot at ``path``, its errors captured."""
+    await delete_records(bootstrap, TopicPartition(config.topics.events, 0), deleted_before)
+    follower = Follower(config, FileSnapshotStore(path))
+    with caplog.at_level(logging.ERROR, logger="consumers.follower"):
+        await follower.start()
+    return follower
 
 
 async def test_records_deleted_while_a_running_follower_is_behind_are_noticed(
@@ -364,10 +377,7 @@ async def test_lost_records_forget_groups_where_they_were_read_not_where_keys_ma
             record(moved, 1, [removed([1, 2, 3])]), record(moved, 2, [stored([7])]), partition=0
         )
     # retention deletes the removal before the follower reads it
-    await delete_records(kafka_bootstrap, TopicPartition(topics.events, 0), after)
-    second = Follower(config, FileSnapshotStore(path))
-    with caplog.at_level(logging.ERROR, logger="consumers.follower"):
-        await second.start()
+    second = await restarted_after_retention(kafka_bootstrap, config, path, after, caplog)
     try:
         await applied_everything(second, 1)
         assert second.stats.records_lost == 1
