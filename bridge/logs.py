@@ -16,19 +16,31 @@ _RESERVED = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime
 
 
 class RateLimitedLog:
+    """``level``: WARNING, or lower for incidents that are expected history (the index reading
+    older lives' states while it catches up)."""
+
     def __init__(
         self,
         logger: logging.Logger,
         interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        level: int = logging.WARNING,
     ) -> None:
         self._logger = logger
         self._interval = interval
         self._clock = clock
+        self._level = level
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
-    def warning(self, kind: str, message: str, *args: object, **fields: object) -> None:
+    def warning(
+        self,
+        kind: str,
+        message: str,
+        *args: object,
+        error: BaseException | None = None,
+        **fields: object,
+    ) -> None:
         now = self._clock()
         if now - self._last.get(kind, float("-inf")) < self._interval:
             self._held[kind] = self._held.get(kind, 0) + 1
@@ -36,7 +48,8 @@ class RateLimitedLog:
         self._last[kind] = now
         held = self._held.pop(kind, 0)
         suffix = f" ({held} more like it in the last {self._interval:g} s)" if held else ""
-        self._logger.warning(message + suffix, *args, extra={"kind": kind, **fields})
+        extra = {"kind": kind, **fields}
+        self._logger.log(self._level, message + suffix, *args, exc_info=error, extra=extra)
 
 
 class JsonFormatter(logging.Formatter):

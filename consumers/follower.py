@@ -48,6 +48,7 @@ from bridge.kafka_client import (
     topic_partitions,
     wait_for_partitions,
 )
+from bridge.logs import RateLimitedLog
 from bridge.records import (
     RETIRED,
     EventRecord,
@@ -150,36 +151,6 @@ class FollowerStats:
     last_snapshot_bytes: int = 0
 
 
-class _RateLimitedLog:
-    """Per kind of trouble: the first one logged at once, then at most one line per interval.
-
-    A line after a quiet spell says how many went unlogged; the metrics count every one.
-    """
-
-    def __init__(self, interval_s: float, level: int = logging.WARNING) -> None:
-        self._interval_s = interval_s
-        self._level = level
-        self._next_at: dict[tuple[str, str], float] = {}
-        self._suppressed: dict[tuple[str, str], int] = {}
-
-    def warn(
-        self,
-        kind: tuple[str, str],
-        message: str,
-        *args: object,
-        error: BaseException | None = None,
-    ) -> None:
-        now = time.monotonic()
-        if now < self._next_at.get(kind, 0.0):
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        self._next_at[kind] = now + self._interval_s
-        suppressed = self._suppressed.pop(kind, 0)
-        if suppressed:
-            message += f" ({suppressed} more like it since the last report)"
-        log.log(self._level, message, *args, exc_info=error)
-
-
 class Follower:
     """Applies ``hmakv.events`` and ``hmakv.workers`` to an index; see the module docstring."""
 
@@ -207,10 +178,10 @@ class Follower:
         self._last_commit = 0.0
         self._next_partition_check: dict[str, float] = {}
         self._snapshot_lock = asyncio.Lock()
-        self._bad_log = _RateLimitedLog(_BAD_RECORD_LOG_INTERVAL_S)
-        self._commit_log = _RateLimitedLog(_COMMIT_FAILURE_LOG_INTERVAL_S)
+        self._bad_log = RateLimitedLog(log, _BAD_RECORD_LOG_INTERVAL_S)
+        self._commit_log = RateLimitedLog(log, _COMMIT_FAILURE_LOG_INTERVAL_S)
         # Ignored states are mostly history read while catching up: counted, noted at info.
-        self._ignored_log = _RateLimitedLog(_IGNORED_STATE_LOG_INTERVAL_S, logging.INFO)
+        self._ignored_log = RateLimitedLog(log, _IGNORED_STATE_LOG_INTERVAL_S, level=logging.INFO)
 
     # ------------------------------------------------------------------------------ life cycle
 
@@ -577,8 +548,8 @@ class Follower:
         noted (at info: while catching up, older and retired lives are history)."""
         ignored = self.stats.worker_states_ignored
         ignored[reason] = ignored.get(reason, 0) + 1
-        self._ignored_log.warn(
-            ("worker_state", reason),
+        self._ignored_log.warning(
+            f"worker_state/{reason}",
             "ignored a state of worker %s (%s, epoch %d, %s) at %s[%d]@%d",
             state.worker,
             state.health,
@@ -683,8 +654,8 @@ class Follower:
         bad = self.stats.bad_records
         kind = (tp.topic, reason)
         bad[kind] = bad.get(kind, 0) + 1
-        self._bad_log.warn(
-            kind,
+        self._bad_log.warning(
+            f"{tp.topic}/{reason}",
             "skipped a record (%s) at %s[%d]@%d: %s",
             reason,
             tp.topic,
@@ -780,8 +751,8 @@ class Follower:
             await self._events.commit(offsets)
         except KafkaError as error:
             self.stats.commits_failed += 1
-            self._commit_log.warn(
-                ("commit", type(error).__name__),
+            self._commit_log.warning(
+                f"commit/{type(error).__name__}",
                 "committing %s failed (%s: %s); the next commit will carry them",
                 _names(offsets, offsets),
                 type(error).__name__,
