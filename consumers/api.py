@@ -149,6 +149,14 @@ class WorkerHit(msgspec.Struct, kw_only=True):
             "their blocks may be gone, so the worker is never the best"
         ),
     ]
+    hash_lookahead: Annotated[
+        int,
+        Doc(
+            description="tokens past each block that the worker's hashes cover (vLLM's EAGLE "
+            "lookahead hashing; 0: classic hashes). token_ids are hashed that way for this "
+            "worker; given block_hashes are used as they are for every worker"
+        ),
+    ] = 0
 
 
 class GroupBlindAnswer(msgspec.Struct, kw_only=True):
@@ -183,6 +191,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
     bridge_last_seq: int | None
     lag_seqs: Annotated[int | None, Doc(description="seqs forwarded by the bridge, not applied")]
     stale_groups: Annotated[list[int], Doc(description="group mode: partition no longer read")]
+    hash_lookahead: Annotated[
+        int, Doc(description="tokens past each block its hashes cover (0: classic hashes)")
+    ] = 0
 
 
 class WorkersResponse(msgspec.Struct, kw_only=True):
@@ -332,7 +343,17 @@ class ScoreApi:
     def _score(self, request: ScoreRequest) -> ScoreResponse:
         index = self.follower.index
         hashes, num_tokens = self._prompt(request, index.hash_block_size)
-        scores = index.score(hashes, num_tokens, workers=self._worker_filter(request.workers))
+        rehash = None
+        if request.token_ids is not None:
+            rehash = functools.partial(
+                self._lookahead_hashes, request, request.token_ids, index.hash_block_size
+            )
+        scores = index.score(
+            hashes,
+            num_tokens,
+            workers=self._worker_filter(request.workers),
+            lookahead_hashes=rehash,
+        )
         stale = self.follower.stale_groups_by_worker()
         hits = [_hit(score, stale.get(score.worker)) for score in scores]
         best = next((hit for hit in hits if _eligible(hit) and hit.score > 0), None)
@@ -386,18 +407,31 @@ class ScoreApi:
                 400, "num_tokens goes with block_hashes; with token_ids it is their count"
             )
         try:
-            hasher = _hasher(
-                request.hash_fn or self.hashing.hash_fn,
-                request.seed if request.seed is not None else self.hashing.seed,
-            )
-            digests = hasher.block_hashes(
-                token_ids,
-                block_size,
-                extra_keys=self._extra_keys(request, len(token_ids), block_size),
-            )
+            hashes = self._lookahead_hashes(request, token_ids, block_size, 0)
         except (UnsupportedHashFunction, ValueError) as exc:
             raise _BadRequest(400, str(exc)) from exc
-        return [external(digest) for digest in digests], len(token_ids)
+        return hashes, len(token_ids)
+
+    def _lookahead_hashes(
+        self, request: ScoreRequest, token_ids: list[int], block_size: int, lookahead: int
+    ) -> list[ExternalBlockHash]:
+        """The prompt's hashes as a worker with that lookahead hashing makes them.
+
+        The index asks for each lookahead in the fleet only after the classic hashes (0) were
+        made, so nothing can fail here that did not fail with a 400 there: lookahead hashes
+        cover fewer blocks, with the same function, seed and extra keys.
+        """
+        hasher = _hasher(
+            request.hash_fn or self.hashing.hash_fn,
+            request.seed if request.seed is not None else self.hashing.seed,
+        )
+        digests = hasher.block_hashes(
+            token_ids,
+            block_size,
+            extra_keys=self._extra_keys(request, len(token_ids), block_size),
+            lookahead=lookahead,
+        )
+        return [external(digest) for digest in digests]
 
     @staticmethod
     def _extra_keys(
@@ -485,6 +519,7 @@ def _hit(score: WorkerScore, stale_groups: set[int] | None) -> WorkerHit:
         catalog_ok=score.catalog_ok,
         group_blind_hit_tokens=score.group_blind_hit_tokens,
         stale_groups=sorted(stale_groups) if stale_groups else [],
+        hash_lookahead=score.hash_lookahead,
     )
 
 
@@ -532,6 +567,7 @@ def _worker_view(info: WorkerInfo, follower: Follower) -> WorkerView:
         bridge_last_seq=state.last_seq if state is not None else None,
         lag_seqs=max(0, state.last_seq - applied) if state is not None and same_life else None,
         stale_groups=sorted(follower.stale_groups(info.name)),
+        hash_lookahead=info.hash_lookahead,
     )
 
 

@@ -24,13 +24,16 @@ Why it is shaped this way:
   last copy.
 - The bridge delivers at least once: the last applied seq per (worker, epoch, group) makes a
   replayed record a no-op, an older epoch is ignored and a newer one clears the worker first.
+- A worker running vLLM's lookahead hashing (EAGLE drafters, vLLM 0.33.0) hashes each block
+  together with the tokens after it; its stores say how many (``lookahead_token_ids``), and a
+  score call is given the prompt's hashes for each such setting in the fleet (see ``score``).
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import cache, partial, reduce
 from itertools import compress, groupby, repeat
 from operator import and_, attrgetter, or_
@@ -72,6 +75,7 @@ Media = tuple[str, ...]
 AnswerKey = tuple[str, int | str]
 _HIT: AnswerKey = ("hit", 0)
 _BLIND: AnswerKey = ("blind", 0)
+_LOOKAHEAD: AnswerKey = ("lookahead", 0)  # the hashing a worker was scored with, not a hit
 _GPU_ONLY: Media = (MEDIUM_GPU,)
 # A group's last seq before any record: below the -1 of the clear that opens an epoch.
 _NONE_APPLIED = -2
@@ -114,7 +118,8 @@ class IndexCounters(msgspec.Struct, gc=False):
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, gc=False):
-    """What the index knows about one worker; ``resident`` is distinct hashes per group, medium."""
+    """What the index knows about one worker; ``resident`` is distinct hashes per group, medium;
+    ``hash_lookahead`` the tokens past each block its hashes cover (0: vLLM's classic hashes)."""
 
     name: str
     epoch: int
@@ -122,6 +127,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, gc=False):
     groups: dict[int, GroupSpec]
     last_seq: dict[int, int]
     resident: dict[int, dict[str, int]]
+    hash_lookahead: int = 0
 
 
 class WorkerScore(msgspec.Struct, frozen=True, gc=False):
@@ -132,6 +138,7 @@ class WorkerScore(msgspec.Struct, frozen=True, gc=False):
     ``weighted_tokens`` weights each stretch of that ladder by the slowest tier it needs (see
     ``KVIndex``). ``group_blind_hit_tokens`` is what an index ignoring groups would answer.
     ``catalog_ok`` is False when the worker's groups are unknown or unusable, so its 0 is no answer.
+    ``hash_lookahead`` is the worker's lookahead hashing (see ``KVIndex.score``).
     """
 
     worker: str
@@ -143,6 +150,7 @@ class WorkerScore(msgspec.Struct, frozen=True, gc=False):
     tier_hit_tokens: dict[str, int]
     weighted_tokens: float
     group_blind_hit_tokens: int
+    hash_lookahead: int = 0
 
 
 class _Worker:
@@ -159,6 +167,7 @@ class _Worker:
         "groups",
         "health",
         "last_seq",
+        "lookahead",
         "mine",
         "name",
         "next_event",
@@ -181,6 +190,7 @@ class _Worker:
         self.last_seq: dict[int, int] = {}
         self.next_event: dict[int, int] = {}  # per group: events of its last_seq applied
         self.resident: dict[LaneKey, int] = {}
+        self.lookahead = 0  # vLLM's num_hash_lookahead_tokens, as its stores show it
 
 
 class _Medium:
@@ -248,6 +258,7 @@ class KVIndex:
         self._everyone = 0
         self._media: dict[str, _Medium] = {}
         self._lanes: dict[int, int] = {}  # group -> lane (from 1), in order of first store
+        self._lookahead_bits: dict[int, int] = {}  # lookahead > 0 -> its workers' bits
         self._width = INITIAL_LANE_WIDTH
         self._classes: list[_CatalogClass] | None = None
         self._named: _Roster | None = None
@@ -282,6 +293,9 @@ class KVIndex:
         for event in events:
             if isinstance(event, BlockStored):
                 self._learn_group(worker, group, event)
+                lookahead = event.lookahead_token_ids
+                if (len(lookahead[0]) if lookahead else 0) != worker.lookahead:
+                    self._learn_lookahead(worker, event)
                 self._store(worker, group, event.medium or MEDIUM_GPU, _as_keys(event.block_hashes))
             elif isinstance(event, BlockRemoved):
                 self._remove(
@@ -367,6 +381,7 @@ class KVIndex:
         if state is None:
             return
         self._drop(state, self._lanes)
+        self._set_lookahead(state, 0)
         del self._by_slot[state.slot]
         heapq.heappush(self._free_slots, state.slot)
         self._everyone &= ~state.bit
@@ -458,6 +473,28 @@ class KVIndex:
             chunk_size=known.chunk_size if known is not None else None,
         )
         self._classes = None
+
+    def _learn_lookahead(self, worker: _Worker, store: BlockStored) -> None:
+        """Learn how the worker hashes from a store of blocks: one lookahead list per hash.
+
+        Only the GPU block pool's stores say: vLLM's offloading tiers never send the lists, and
+        a store without hashes (a window group's step that kept none) has none to send.
+        """
+        if store.block_hashes and (store.medium or MEDIUM_GPU) == MEDIUM_GPU:
+            lookahead = store.lookahead_token_ids
+            self._set_lookahead(worker, len(lookahead[0]) if lookahead else 0)
+
+    def _set_lookahead(self, worker: _Worker, lookahead: int) -> None:
+        """Move the worker's bit from its old lookahead's workers to the new one's; only
+        lookaheads above 0 keep a set, so a fleet without any makes scoring look once."""
+        for tokens, bit in ((worker.lookahead, 0), (lookahead, worker.bit)):
+            if tokens:
+                bits = self._lookahead_bits.get(tokens, 0) & ~worker.bit | bit
+                if bits:
+                    self._lookahead_bits[tokens] = bits
+                else:
+                    del self._lookahead_bits[tokens]
+        worker.lookahead = lookahead
 
     def _store(
         self, worker: _Worker, group: int, medium: str, hashes: Sequence[ExternalBlockHash]
@@ -585,6 +622,7 @@ class KVIndex:
             groups=dict(worker.groups),
             last_seq=dict(worker.last_seq),
             resident=resident,
+            hash_lookahead=worker.lookahead,
         )
 
     def _catalog_classes(self) -> list[_CatalogClass]:
@@ -622,6 +660,7 @@ class KVIndex:
         *,
         workers: Iterable[str] | None = None,
         details: bool = True,
+        lookahead_hashes: Callable[[int], Sequence[ExternalBlockHash]] | None = None,
     ) -> list[WorkerScore]:
         """Every worker's prefix hit for one prompt, best first (weighted tokens, then hit).
 
@@ -631,19 +670,49 @@ class KVIndex:
         left out). ``details=False`` answers only the GPU hit, for a router that needs nothing
         else: no per-group, tier or group-blind answers (empty or 0), and ``weighted_tokens`` is
         the GPU hit at the GPU's weight.
+
+        A worker with lookahead hashing ``k`` is scored with ``lookahead_hashes(k)``, the prompt's
+        hashes as vLLM makes them with ``k`` (fewer: a block is hashed once its lookahead tokens
+        exist), asked once per ``k`` in the scored fleet; without it, with ``block_hashes`` as
+        they are. Each score names the worker's ``hash_lookahead`` either way.
         """
-        max_tokens = max(0, min(num_tokens - 1, len(block_hashes) * self.hash_block_size))
         scored = self._everyone if workers is None else self._bits_of(workers)
-        keys = _as_keys(block_hashes)
-        residency = _Residency(self._media, keys, self.hash_block_size, max_tokens)
-        call = _Call(residency, max_tokens, _Answers(scored), details)
-        for catalog_class in self._catalog_classes():
-            members = catalog_class.everyone & scored
-            if members and catalog_class.rules:
-                self._score_class(catalog_class, members, call)
-        if details:
-            call.answers.record(_BLIND, self._group_blind_hits(residency, scored, max_tokens))
-        return self._scores(call.answers, details)
+        answers = _Answers(scored)
+        for hashes, members in self._prompt_hashes(block_hashes, scored, lookahead_hashes, answers):
+            max_tokens = max(0, min(num_tokens - 1, len(hashes) * self.hash_block_size))
+            residency = _Residency(self._media, _as_keys(hashes), self.hash_block_size, max_tokens)
+            call = _Call(residency, max_tokens, answers, details)
+            for catalog_class in self._catalog_classes():
+                class_members = catalog_class.everyone & members
+                if class_members and catalog_class.rules:
+                    self._score_class(catalog_class, class_members, call)
+            if details:
+                answers.record(_BLIND, self._group_blind_hits(residency, members, max_tokens))
+        return self._scores(answers, details)
+
+    def _prompt_hashes(
+        self,
+        block_hashes: Sequence[ExternalBlockHash],
+        scored: int,
+        lookahead_hashes: Callable[[int], Sequence[ExternalBlockHash]] | None,
+        answers: _Answers,
+    ) -> list[tuple[Sequence[ExternalBlockHash], int]]:
+        """The prompt's hashes for each set of scored workers that hashes alike, and each
+        lookahead worker's setting recorded in its answers. A fleet without lookahead workers,
+        the usual one, costs one look."""
+        lookaheads = [
+            (tokens, members)
+            for tokens, bits in self._lookahead_bits.items()
+            if (members := bits & scored)
+        ]
+        if not lookaheads:
+            return [(block_hashes, scored)]
+        answers.record(_LOOKAHEAD, lookaheads)
+        if lookahead_hashes is None:
+            return [(block_hashes, scored)]
+        classic = scored & ~reduce(or_, (members for _, members in lookaheads))
+        rehashed = [(lookahead_hashes(tokens), members) for tokens, members in lookaheads]
+        return [(block_hashes, classic), *rehashed] if classic else rehashed
 
     def _bits_of(self, names: Iterable[str]) -> int:
         return reduce(or_, (worker.bit for name in names if (worker := self._workers.get(name))), 0)
@@ -734,9 +803,10 @@ class KVIndex:
         """What every worker of one part is told (its own fields left blank)."""
         hit = answers.get(_HIT, 0)
         catalog_ok, blocks = _HIT in answers, hit // self.hash_block_size
+        lookahead = answers.get(_LOOKAHEAD, 0)
         if not details:
             return WorkerScore(
-                "", "live", catalog_ok, hit, blocks, {}, {}, hit * self._gpu_weight, 0
+                "", "live", catalog_ok, hit, blocks, {}, {}, hit * self._gpu_weight, 0, lookahead
             )
         groups = {
             group: tokens
@@ -745,7 +815,9 @@ class KVIndex:
         }
         tiers, weighted = self._ladder(answers, hit)
         blind = answers.get(_BLIND, 0)
-        return WorkerScore("", "live", catalog_ok, hit, blocks, groups, tiers, weighted, blind)
+        return WorkerScore(
+            "", "live", catalog_ok, hit, blocks, groups, tiers, weighted, blind, lookahead
+        )
 
     def _ladder(self, answers: dict[AnswerKey, int], hit: int) -> tuple[dict[str, int], float]:
         """Each tier's hit (one without its own answer repeats the faster one's; the GPU's, when
@@ -859,6 +931,7 @@ class KVIndex:
         self._workers[saved.name] = self._by_slot[saved.slot] = worker
         self._spread(worker)
         self._everyone |= worker.bit
+        self._set_lookahead(worker, saved.hash_lookahead)
 
 
 _NO_MEDIUM = _Medium()
@@ -920,6 +993,7 @@ def _worker_scores(
         map(dict.copy, repeat(payload.tier_hit_tokens)),
         repeat(payload.weighted_tokens),
         repeat(payload.group_blind_hit_tokens),
+        repeat(payload.hash_lookahead),
     )
 
 
@@ -1107,6 +1181,7 @@ class _WorkerSnapshot(msgspec.Struct, array_like=True, gc=False):
     last_seq: dict[int, int]
     resident: list[tuple[int, str, int]]
     next_event: dict[int, int] = {}  # absent from snapshots made before records could be split
+    hash_lookahead: int = 0  # absent from snapshots made before lookahead hashing
 
 
 class _MediumSnapshot(msgspec.Struct, array_like=True, gc=False):
@@ -1149,6 +1224,7 @@ def _worker_snapshot(worker: _Worker) -> _WorkerSnapshot:
         last_seq=worker.last_seq,
         resident=[(group, medium, count) for (group, medium), count in worker.resident.items()],
         next_event=worker.next_event,
+        hash_lookahead=worker.lookahead,
     )
 
 

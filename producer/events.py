@@ -1,8 +1,9 @@
 """The ZMQ wire contract: vLLM's KV-cache event structs, an exact encoder and a tolerant decoder.
 
-Field names, order, defaults and encoding mirror ``vllm/distributed/kv_events.py`` (map-encoded
-events, vLLM PR #42892 and later; ``locality`` from PR #48281), so that ``encode`` produces the
-bytes vLLM would for the same batch. ``decode`` reads every generation vLLM has shipped.
+Field names, order, defaults and encoding mirror ``vllm/distributed/kv_events.py`` as of vLLM
+0.33.0 (map-encoded events, vLLM PR #42892 and later; ``locality`` from PR #48281; ``ownership``,
+``session_id`` and ``lookahead_token_ids``), so that ``encode`` produces the bytes vLLM 0.33.0
+would for the same batch. ``decode`` reads every generation vLLM has shipped.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 
 
 class BlockStored(KVCacheEvent):
+    """Blocks cached in one group (or reported again when a request reuses them).
+
+    A sliding-window group lists only the blocks it keeps: ``token_ids`` can cover more blocks
+    than ``block_hashes``, or some with no hash at all, so nothing may derive one from the other.
+    ``ownership`` names the secondary offloading tier that made the event, ``session_id`` the
+    request context that triggered it. ``lookahead_token_ids`` (None when vLLM's EAGLE lookahead
+    hashing is off) has one list per hash: the tokens after the block that its hash also covers.
+    """
+
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
@@ -45,6 +55,9 @@ class BlockStored(KVCacheEvent):
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -52,6 +65,7 @@ class BlockRemoved(KVCacheEvent):
     medium: str | None
     group_idx: GroupIndex | None = None
     locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -122,8 +136,9 @@ def has_group_sizes(store: BlockStored) -> bool:
 # typed decode costs: one msgspec pass over the whole batch into the current structs. A batch that
 # pass rejects is most likely from a vLLM before PR #42892 (events as tagged arrays), so a second
 # typed pass reads it with lenient array structs. Only a batch both reject (an event type this code
-# does not know, a mix of forms, a missing field, a map with the draft ``evicted_groups``, or
-# garbage) is read event by event. Lenient structs are converted to the current ones.
+# does not know, a mix of forms, a missing field, a map with the draft ``evicted_groups``, a batch
+# encoded as a map, or garbage) is read event by event. Lenient structs are converted to the
+# current ones.
 
 # 64 MiB: a 1M-token prompt stored in 7 groups is ~35 MB of token ids; anything bigger is garbage
 # or an attack, and refusing it beats allocating for it.
@@ -169,6 +184,9 @@ class _LenientBlockStored(msgspec.Struct, gc=False):
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class _MapBlockStored(_LenientBlockStored, tag="BlockStored"):
@@ -186,6 +204,7 @@ class _MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
     medium: str | None = None
     group_idx: GroupIndex | None = None
     locality: str | None = None
+    ownership: str | None = None
     evicted_groups: list[GroupIndex] | None = None
 
 
@@ -200,6 +219,7 @@ class _ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc
     medium: str | None = None
     group_idx_or_evicted_groups: GroupIndex | list[GroupIndex] | None = None
     locality: str | None = None
+    ownership: str | None = None
 
 
 class _MapAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
@@ -220,12 +240,19 @@ class _ArrayEventsBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class _Envelope(msgspec.Struct, array_like=True, gc=False):
-    """The batch with its events left undecoded, so that each event can fail on its own."""
+class _MapEnvelope(msgspec.Struct, gc=False):
+    """The batch with its events left undecoded, so that each event can fail on its own.
+
+    As a map: one vLLM revision encoded ``EventBatch`` without ``array_like``.
+    """
 
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
+
+
+class _Envelope(_MapEnvelope, array_like=True):
+    """``_MapEnvelope`` as every released vLLM sends it: a 3-element array."""
 
 
 class _MapTag(msgspec.Struct, gc=False):
@@ -247,6 +274,7 @@ _DECODE_FAILURES = (msgspec.DecodeError, RecursionError)
 _batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _array_events_batch_decoder = msgspec.msgpack.Decoder(_ArrayEventsBatch)
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+_map_envelope_decoder = msgspec.msgpack.Decoder(_MapEnvelope)
 _map_event_decoder = msgspec.msgpack.Decoder(_MapEvent)
 _array_event_decoder = msgspec.msgpack.Decoder(_ArrayEvent)
 _map_tag_decoder = msgspec.msgpack.Decoder(_MapTag)
@@ -276,8 +304,9 @@ def decode(payload: bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Dec
 
 
 def _decode_event_by_event(payload: bytes) -> DecodedBatch:
+    envelope_decoder = _map_envelope_decoder if _is_msgpack_map(payload) else _envelope_decoder
     try:
-        envelope = _envelope_decoder.decode(payload)
+        envelope = envelope_decoder.decode(payload)
     except _DECODE_FAILURES as error:
         raise WireDecodeError(f"not a KV event batch: {_reason(error)}") from error
     events: list[KVEvent] = []
@@ -294,10 +323,11 @@ def _decode_event_by_event(payload: bytes) -> DecodedBatch:
     return DecodedBatch(batch, unknown_event_types)
 
 
-def _is_msgpack_map(raw: msgspec.Raw) -> bool:
-    """Fixmap (0x80-0x8f), map16 (0xde) or map32 (0xdf); events are maps or tagged arrays."""
-    first = memoryview(raw)[0]
-    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+def _is_msgpack_map(data: bytes | msgspec.Raw) -> bool:
+    """Fixmap (0x80-0x8f), map16 (0xde) or map32 (0xdf): events are maps or tagged arrays, and
+    batches arrays or, from one vLLM revision, maps."""
+    head = memoryview(data)[:1]
+    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
 
 
 def _unknown_type_or_raise(index: int, raw: msgspec.Raw, is_map: bool, error: Exception) -> str:
@@ -322,25 +352,25 @@ def _to_current(event: _MapEvent | _ArrayEvent) -> list[KVEvent]:
         return [BlockStored(*msgspec.structs.astuple(event))]
     if isinstance(event, _MapBlockRemoved):
         groups = [event.group_idx] if event.evicted_groups is None else event.evicted_groups
-        return _removals(event.block_hashes, event.medium, event.locality, groups)
+        return _removals(event, groups)
     if isinstance(event, _ArrayBlockRemoved):
         group = event.group_idx_or_evicted_groups
         groups = group if isinstance(group, list) else [group]
-        return _removals(event.block_hashes, event.medium, event.locality, groups)
+        return _removals(event, groups)
     return [AllBlocksCleared()]
 
 
 def _removals(
-    block_hashes: list[ExternalBlockHash],
-    medium: str | None,
-    locality: str | None,
-    groups: Sequence[int | None],
+    event: _MapBlockRemoved | _ArrayBlockRemoved, groups: Sequence[int | None]
 ) -> list[KVEvent]:
     """One BlockRemoved per group, the form PR #37688 merged, also for its draft's group list.
 
     An empty draft list evicted the blocks from no group, so it yields no event.
     """
-    return [BlockRemoved(list(block_hashes), medium, group, locality) for group in groups]
+    return [
+        BlockRemoved(list(event.block_hashes), event.medium, group, event.locality, event.ownership)
+        for group in groups
+    ]
 
 
 def _reason(error: Exception) -> str:

@@ -96,16 +96,27 @@ class BlockHasher:
         *,
         extra_keys: Sequence[BlockExtraKeys] | None = None,
         parent: bytes | None = None,
+        lookahead: int = 0,
     ) -> list[bytes]:
         """Digests of the full blocks of ``token_ids``; a trailing partial block is not hashed.
 
         ``parent`` continues a chain (the digest of the block before ``token_ids[0]``).
-        ``extra_keys[i]`` belongs to block i and must cover every full block; entries beyond them
-        are ignored, since an engine knows a block's keys before the block fills.
+        ``extra_keys[i]`` belongs to block i and must cover every hashed block; entries beyond
+        them are ignored, since an engine knows a block's keys before the block fills.
+
+        ``lookahead`` is vLLM's ``num_hash_lookahead_tokens`` (EAGLE-style drafters, vLLM 0.33.0
+        and later): each hash then also covers the ``lookahead`` tokens after its block, as the
+        block's extra keys ``(keys or None, *those tokens)``, so a block is hashed only once they
+        exist, as in vLLM's ``get_request_block_hasher``. A worker's stores say which setting it
+        runs with (``BlockStored.lookahead_token_ids``). With it, ``extra_keys[i]`` are the keys
+        vLLM gives block i together with its lookahead tokens (a multimodal item starting among
+        them counts).
         """
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        num_blocks = len(token_ids) // block_size
+        if lookahead < 0:
+            raise ValueError(f"lookahead must not be negative, got {lookahead}")
+        num_blocks = max(0, len(token_ids) - lookahead) // block_size
         if extra_keys is not None and len(extra_keys) < num_blocks:
             raise ValueError(
                 f"extra_keys has {len(extra_keys)} entries for {num_blocks} full blocks"
@@ -118,8 +129,11 @@ class BlockHasher:
         hashes: list[bytes] = []
         for index in range(num_blocks):
             start = index * block_size
-            keys = extra_keys[index] if extra_keys is not None else None
-            block = (previous, tokens[start : start + block_size], keys or None)
+            end = start + block_size
+            keys = (extra_keys[index] if extra_keys is not None else None) or None
+            if lookahead:
+                keys = (keys, *tokens[end : end + lookahead])
+            block = (previous, tokens[start:end], keys)
             previous = digest(dumps(block, canonical=True))
             hashes.append(previous)
         return hashes

@@ -114,8 +114,47 @@ def test_unknown_event_types_are_listed_and_known_events_kept(
             "medium": "GPU",
             "group_idx": 2,
             "locality": None,
+            "ownership": None,
         }
     ]
+
+
+def test_vllm_0_33_fields_print_under_their_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ownership, session and lookahead print as vLLM 0.33.0 sent them (its own vectors)."""
+    newest = {v["case"]: v for v in WIRE_VECTORS if v["vllm"] == "0.33.0"}
+    cases = ["lookahead-store-with-session", "offload-tier-store-and-removal"]
+    hex_file = tmp_path / "payloads.hex"
+    hex_file.write_text("".join(f"{newest[case]['payload_hex']}\n" for case in cases))
+
+    assert main(["decode", str(hex_file)]) == 0
+
+    lookahead, offload = _json_lines(capsys.readouterr().out)
+    [store] = lookahead["events"]
+    assert (store["session_id"], store["lookahead_token_ids"], store["ownership"]) == (
+        "session-1",
+        [[16], [32]],
+        None,
+    )
+    assert [(e["type"], e["ownership"]) for e in offload["events"]] == [
+        ("BlockStored", "kvcr"),
+        ("BlockRemoved", "kvcr"),
+    ]
+    assert offload["events"][0]["session_id"] == "session-2"
+    assert offload["events"][0]["lookahead_token_ids"] is None
+
+
+def test_a_map_encoded_batch_prints_like_an_array_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    [vector] = [v for v in WIRE_VECTORS if v["vllm"] == "map-batch"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(vector["payload_hex"] + "\n"))
+
+    assert main(["decode"]) == 0
+
+    (batch,) = _json_lines(capsys.readouterr().out)
+    _assert_matches_vector(batch, vector)
 
 
 def test_bad_lines_are_reported_by_number_and_skipped_with_exit_code_2(
@@ -299,6 +338,7 @@ def test_malformed_messages_are_reported_and_skipped_with_exit_code_2(
                 "medium": "GPU",
                 "group_idx": 1,
                 "locality": None,
+                "ownership": None,
             }
         ]
     ] * 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,14 +92,55 @@ def test_every_vllm_generation_decodes_to_its_expected_batch(vector: dict[str, A
         assert all(fields[key] is None for key in fields.keys() - expected_event.keys())
 
 
-@pytest.mark.parametrize(
-    "vector",
-    [v for v in WIRE_VECTORS if v["vllm"] == "new"],
-    ids=[v["case"] for v in WIRE_VECTORS if v["vllm"] == "new"],
-)
-def test_current_payloads_reencode_byte_for_byte(vector: dict[str, Any]) -> None:
+NEWEST = "0.33.0"
+NEWEST_VECTORS = [v for v in WIRE_VECTORS if v["vllm"] == NEWEST]
+
+
+@pytest.mark.parametrize("vector", NEWEST_VECTORS, ids=[v["case"] for v in NEWEST_VECTORS])
+def test_newest_payloads_reencode_byte_for_byte(vector: dict[str, Any]) -> None:
     payload = bytes.fromhex(vector["payload_hex"])
     assert encode(decode(payload).batch) == payload
+
+
+def test_newest_vectors_set_and_leave_unset_every_0_33_field() -> None:
+    """The vectors exercise each 0.33.0 field both ways, or the re-encode test proves little."""
+    events = [
+        event
+        for v in NEWEST_VECTORS
+        for event in decode(bytes.fromhex(v["payload_hex"])).batch.events
+    ]
+    stores = [event for event in events if isinstance(event, BlockStored)]
+    removals = [event for event in events if isinstance(event, BlockRemoved)]
+    for name in ("ownership", "session_id", "lookahead_token_ids"):
+        assert {getattr(store, name) is None for store in stores} == {True, False}, name
+    assert {removal.ownership is None for removal in removals} == {True, False}
+    assert any(isinstance(event, AllBlocksCleared) for event in events)
+
+
+def test_a_map_encoded_batch_decodes_like_the_array_one() -> None:
+    """One vLLM revision encoded the whole EventBatch as a map (vector made with its structs)."""
+    [vector] = [v for v in WIRE_VECTORS if v["vllm"] == "map-batch"]
+    payload = bytes.fromhex(vector["payload_hex"])
+    assert msgspec.msgpack.decode(payload).keys() == {"ts", "events", "data_parallel_rank"}
+    decoded = decode(payload)
+    assert decode(encode(decoded.batch)) == decoded
+    assert decoded.batch.data_parallel_rank == 2
+    assert [type(event) for event in decoded.batch.events] == [BlockStored, BlockRemoved]
+
+
+@pytest.mark.parametrize("rank", [None, 3], ids=["rank-omitted", "rank-3"])
+def test_a_map_batch_of_array_events_and_an_unknown_one_decodes(rank: int | None) -> None:
+    batch: dict[str, object] = {
+        "ts": 6.0,
+        "events": [["BlockRemoved", [5], "GPU", 1, None, "tier-x"], {"type": "BlockInactive"}],
+    }
+    if rank is not None:
+        batch["data_parallel_rank"] = rank
+    decoded = decode(_pack(batch))
+    assert decoded == DecodedBatch(
+        KVEventBatch(6.0, [BlockRemoved([5], "GPU", 1, ownership="tier-x")], rank),
+        ["BlockInactive"],
+    )
 
 
 # --- Field sets and value ranges of every generation -------------------------------------------
@@ -116,14 +158,14 @@ def test_oldest_array_generation_fills_absent_fields_with_none() -> None:
 
 def test_array_event_with_locality_and_trailing_unknown_fields() -> None:
     known = ["BlockStored", [1], None, TOKENS, 16, None, "CPU", None, None, 2, "mamba", None]
-    decoded = _decode_one([*known, "LOCAL", "future field", 42])
+    decoded = _decode_one([*known, "LOCAL", None, None, None, "future field", 42])
     assert decoded.batch.events == [
         _stored(medium="CPU", group_idx=2, kv_cache_spec_kind="mamba", locality="LOCAL")
     ]
 
 
 def test_map_event_ignores_unknown_fields_and_defaults_absent_optional_ones() -> None:
-    """A future vLLM may drop the deprecated lora_id and add fields such as session_id."""
+    """A future vLLM may drop the deprecated lora_id and add fields after session_id."""
     decoded = _decode_one(
         {
             "type": "BlockStored",
@@ -133,9 +175,75 @@ def test_map_event_ignores_unknown_fields_and_defaults_absent_optional_ones() ->
             "block_size": 16,
             "medium": "GPU",
             "session_id": "abc",
+            "future_field": [1, 2],
         }
     )
-    assert decoded == DecodedBatch(KVEventBatch(1.5, [_stored()], 0), [])
+    assert decoded == DecodedBatch(KVEventBatch(1.5, [_stored(session_id="abc")], 0), [])
+
+
+def test_array_events_carry_the_0_33_fields_in_vllms_order() -> None:
+    """Array-encoded events append each generation's fields: ownership, session, lookahead."""
+    store = ["BlockStored", [1], None, TOKENS, 16, None, "GPU", None, None, 0, None, None, None]
+    decoded = decode(
+        _pack(
+            [
+                1.0,
+                [
+                    [*store, "tier-x", "session-1", [[16, 17]]],
+                    ["BlockRemoved", [1], "CPU", 0, "LOCAL", "tier-x"],
+                ],
+                0,
+            ]
+        )
+    )
+    assert decoded.batch.events == [
+        _stored(
+            group_idx=0, ownership="tier-x", session_id="session-1", lookahead_token_ids=[[16, 17]]
+        ),
+        BlockRemoved([1], "CPU", 0, "LOCAL", "tier-x"),
+    ]
+
+
+def test_map_events_read_event_by_event_keep_the_0_33_fields() -> None:
+    """A batch mixing forms takes the per-event path, whose lenient structs know the fields too."""
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": TOKENS,
+        "block_size": 16,
+        "medium": "GPU",
+        "ownership": "tier-x",
+        "session_id": "s",
+        "lookahead_token_ids": [[16]],
+    }
+    removed = {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU", "ownership": "tier-x"}
+    decoded = decode(_pack([1.0, [["AllBlocksCleared"], stored, removed], 0]))
+    assert decoded.batch.events == [
+        AllBlocksCleared(),
+        _stored(ownership="tier-x", session_id="s", lookahead_token_ids=[[16]]),
+        BlockRemoved([2], "GPU", ownership="tier-x"),
+    ]
+
+
+def test_the_draft_evicted_groups_form_keeps_ownership_on_every_removal() -> None:
+    decoded = _decode_one(
+        {"type": "BlockRemoved", "block_hashes": [1], "evicted_groups": [0, 1], "ownership": "t"}
+    )
+    assert decoded.batch.events == [
+        BlockRemoved([1], None, 0, ownership="t"),
+        BlockRemoved([1], None, 1, ownership="t"),
+    ]
+
+
+def test_window_group_stores_keep_their_hashes_apart_from_their_token_ids() -> None:
+    """Real vLLM: a window group lists only the blocks it keeps (one hash for 160 tokens), or
+    none at all with token ids and a parent; the decoder takes both as sent."""
+    fewer = _stored(block_hashes=[555], parent_block_hash=333, token_ids=list(range(160)))
+    none = _stored(block_hashes=[], parent_block_hash=555, token_ids=list(range(160, 192)))
+    batch = KVEventBatch(1.0, [fewer, none], 0)
+    assert decode(encode(batch)) == DecodedBatch(batch, [])
+    assert decode(_array_encoded(batch)) == DecodedBatch(batch, [])
 
 
 @pytest.mark.parametrize("as_map", [True, False], ids=["map", "array"])
@@ -234,7 +342,31 @@ def test_evicted_groups_text_in_a_value_decodes_unchanged() -> None:
     [
         pytest.param(b"", "truncated", id="empty"),
         pytest.param(b"\xc1", "invalid", id="not-msgpack"),
-        pytest.param(_pack({"ts": 1.0}), "not a KV event batch: Expected `array`", id="map-batch"),
+        pytest.param(
+            _pack({"ts": 1.0}),
+            "not a KV event batch: Object missing required field `events`",
+            id="map-batch-without-events",
+        ),
+        pytest.param(_pack("batch"), "not a KV event batch: Expected `array`", id="str-batch"),
+        pytest.param(
+            _pack(
+                [
+                    1.0,
+                    [
+                        {
+                            "type": "BlockStored",
+                            "block_hashes": [1],
+                            "parent_block_hash": None,
+                            "token_ids": [],
+                            "block_size": 0,
+                            "lookahead_token_ids": [1],
+                        }
+                    ],
+                ]
+            ),
+            "event 0 (BlockStored): Expected `array`, got `int` - at `$.lookahead_token_ids[0]`",
+            id="lookahead-not-lists",
+        ),
         pytest.param(
             _pack([1.0, [["AllBlocksCleared"]]]) + b"\x00", "trailing", id="trailing-bytes"
         ),
@@ -377,10 +509,11 @@ def test_a_group_spec_with_a_size_that_is_not_positive_does_not_decode(
     spec: dict[str, Any], where: str
 ) -> None:
     """Every hit rule divides by a group's block size or counts blocks in its window or chunk."""
-    for read in (
+    readers: tuple[Callable[[], GroupSpec], ...] = (
         lambda: msgspec.msgpack.decode(_pack(spec), type=GroupSpec),
         lambda: msgspec.convert(spec, GroupSpec),
-    ):
+    )
+    for read in readers:
         with pytest.raises(msgspec.ValidationError, match=re.escape(f">= 1 - at `{where}`")):
             read()
     good = {**spec, **{key: 16 for key in spec if key != "kind"}}
@@ -427,6 +560,10 @@ block_stored = st.builds(
     kv_cache_spec_kind=optional_text,
     kv_cache_spec_sliding_window=st.none() | st.integers(0, 2**20),
     locality=st.sampled_from([None, "LOCAL", "REMOTE"]),
+    ownership=optional_text,
+    session_id=optional_text,
+    lookahead_token_ids=st.none()
+    | st.lists(st.lists(st.integers(0, 2**32 - 1), max_size=3), max_size=4),
 )
 block_removed = st.builds(
     BlockRemoved,
@@ -434,6 +571,7 @@ block_removed = st.builds(
     medium=st.sampled_from([None, "GPU", "CPU"]),
     group_idx=st.none() | st.integers(0, 64),
     locality=st.sampled_from([None, "LOCAL", "REMOTE"]),
+    ownership=optional_text,
 )
 batches = st.builds(
     KVEventBatch,

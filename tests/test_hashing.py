@@ -39,13 +39,54 @@ def _extra_keys(case: dict[str, Any]) -> list[tuple[object, ...] | None] | None:
 
 @pytest.mark.parametrize("case", VECTOR_CASES, ids=[c["case"] for c in VECTOR_CASES])
 def test_matches_vllm_vectors(case: dict[str, Any]) -> None:
+    """Cases without ``lookahead`` come from vLLMs before it existed: they hash without one."""
     hasher = BlockHasher(case["hash_fn"], seed=case["PYTHONHASHSEED"])
     hashes = hasher.block_hashes(
-        case["token_ids"], case["block_size"], extra_keys=_extra_keys(case)
+        case["token_ids"],
+        case["block_size"],
+        extra_keys=_extra_keys(case),
+        lookahead=case.get("lookahead", 0),
     )
     assert hasher.none_hash.hex() == case["none_hash_hex"]
     assert [h.hex() for h in hashes] == case["block_hashes_hex"]
     assert [external(h) for h in hashes] == case["external_ints"]
+
+
+LOOKAHEAD_CASES = [c for c in VECTOR_CASES if c.get("lookahead")]
+
+
+def test_vllm_0_33_lookahead_vectors_differ_from_the_classic_hashes() -> None:
+    """Each lookahead vector hashes fewer or other blocks than vLLM's classic chain would, so a
+    hasher ignoring ``lookahead`` fails them; a block is hashed once its lookahead exists."""
+    assert {c["lookahead"] for c in LOOKAHEAD_CASES} >= {1, 3}
+    for case in LOOKAHEAD_CASES:
+        tokens, size, lookahead = case["token_ids"], case["block_size"], case["lookahead"]
+        assert len(case["external_ints"]) == (len(tokens) - lookahead) // size
+        classic = BlockHasher(seed=case["PYTHONHASHSEED"]).block_hashes(
+            tokens, size, extra_keys=_extra_keys(case)
+        )
+        assert not {external(h) for h in classic} & set(case["external_ints"])
+
+
+def test_a_block_aligned_prompt_leaves_its_last_block_unhashed_with_lookahead() -> None:
+    hasher = BlockHasher(seed="0")
+    tokens = list(range(48))
+    assert len(hasher.block_hashes(tokens, 16)) == 3
+    assert len(hasher.block_hashes(tokens, 16, lookahead=1)) == 2
+    assert hasher.block_hashes(tokens[:3], 16, lookahead=5) == []
+
+
+def test_lookahead_hashes_cover_the_tokens_after_each_block() -> None:
+    hasher = BlockHasher(seed="0")
+    first = hasher.block_hashes([*range(16), 100], 16, lookahead=1)
+    second = hasher.block_hashes([*range(16), 101], 16, lookahead=1)
+    assert len(first) == len(second) == 1
+    assert first != second
+
+
+def test_negative_lookahead_is_refused() -> None:
+    with pytest.raises(ValueError, match="lookahead must not be negative"):
+        BlockHasher().block_hashes([1, 2], 1, lookahead=-1)
 
 
 def test_vectors_cover_uint64_range() -> None:

@@ -546,3 +546,136 @@ def test_a_snapshot_of_another_format_is_refused() -> None:
     old = msgspec.msgpack.encode({"format": 1, "workers": [], "lanes": [], "counters": {}})
     with pytest.raises(ValueError, match="format 1"):
         KVIndex.restore(old)
+
+
+# --- vLLM 0.33.0's lookahead hashing -----------------------------------------------------------
+
+CLASSIC: list[ExternalBlockHash] = [1000 + i for i in range(5)]  # a prompt's hashes: 5 blocks
+LOOKAHEAD_1: list[ExternalBlockHash] = [2000 + i for i in range(4)]  # with 1 lookahead: 4 blocks
+
+
+def lookahead_stored(
+    hashes: Sequence[ExternalBlockHash], tokens: int, medium: str = "GPU"
+) -> BlockStored:
+    return msgspec.structs.replace(
+        stored(hashes, 0, medium=medium),
+        lookahead_token_ids=[list(range(tokens)) for _ in hashes],
+    )
+
+
+def lookahead_fleet() -> KVIndex:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(0, 0, stored(CLASSIC, 0), worker="classic"))
+    index.apply(record(0, 0, lookahead_stored(LOOKAHEAD_1, 1), worker="eagle"))
+    return index
+
+
+def test_a_lookahead_worker_is_scored_with_the_prompts_lookahead_hashes() -> None:
+    index = lookahead_fleet()
+    asked: list[int] = []
+
+    def rehash(lookahead: int) -> list[ExternalBlockHash]:
+        asked.append(lookahead)
+        return {1: LOOKAHEAD_1}[lookahead]
+
+    scores = index.score(CLASSIC, 5 * B + 1, lookahead_hashes=rehash)
+    assert asked == [1]
+    assert {(s.worker, s.hit_tokens, s.hash_lookahead) for s in scores} == {
+        ("classic", 5 * B, 0),
+        ("eagle", 4 * B, 1),
+    }
+    assert only(scores, "eagle").group_blind_hit_tokens == 4 * B
+    assert [s.worker for s in scores] == ["classic", "eagle"]  # best first across hashings
+    hits_only = index.score(CLASSIC, 5 * B + 1, details=False, lookahead_hashes=rehash)
+    assert {(s.worker, s.hit_tokens, s.hash_lookahead) for s in hits_only} == {
+        ("classic", 5 * B, 0),
+        ("eagle", 4 * B, 1),
+    }
+
+
+def test_without_lookahead_hashes_every_worker_takes_the_given_ones_and_says_how_it_hashes() -> (
+    None
+):
+    scores = lookahead_fleet().score(CLASSIC, 5 * B + 1)
+    assert {(s.worker, s.hit_tokens, s.hash_lookahead) for s in scores} == {
+        ("classic", 5 * B, 0),
+        ("eagle", 0, 1),
+    }
+
+
+def test_a_fleet_without_lookahead_workers_never_asks_for_lookahead_hashes() -> None:
+    def refuse(lookahead: int) -> list[ExternalBlockHash]:
+        raise AssertionError(f"asked for lookahead {lookahead}")
+
+    index = gpt_oss_like()
+    assert only(index.score(PROMPT, len(PROMPT) * B, lookahead_hashes=refuse)).hit_tokens == 20 * B
+    # Scoring only the classic worker of a mixed fleet does not ask either.
+    scores = lookahead_fleet().score(
+        CLASSIC, 5 * B + 1, workers=["classic"], lookahead_hashes=refuse
+    )
+    assert [(s.worker, s.hit_tokens) for s in scores] == [("classic", 5 * B)]
+
+
+def test_a_workers_lookahead_is_learned_from_its_gpu_stores_of_blocks() -> None:
+    index = KVIndex(hash_block_size=B)
+
+    def lookahead() -> int:
+        return index.workers()[0].hash_lookahead
+
+    index.apply(record(0, 0, lookahead_stored([1], 3)))
+    assert lookahead() == 3
+    # A window group's step that kept no block has no list to send; offloading never sends one.
+    index.apply(record(1, 0, lookahead_stored([], 3), stored([2], 0, medium="CPU")))
+    assert lookahead() == 3
+    index.apply(record(2, 0, stored([3], 0)))  # hashes without lists: classic hashing again
+    assert lookahead() == 0
+    scores = index.score([1, 2, 3], 3 * B + 1, lookahead_hashes=lambda k: [])
+    assert only(scores).hash_lookahead == 0
+
+
+def test_lookahead_survives_a_snapshot_and_leaves_with_a_forgotten_worker() -> None:
+    index = lookahead_fleet()
+    restored = KVIndex.restore(index.snapshot())
+    assert restored.workers() == index.workers()
+    assert {w.name: w.hash_lookahead for w in restored.workers()} == {"classic": 0, "eagle": 1}
+    restored.forget_worker("eagle")
+    restored.apply(record(0, 0, stored(LOOKAHEAD_1, 0), worker="newcomer"))  # eagle's old slot
+
+    def refuse(lookahead: int) -> list[ExternalBlockHash]:
+        raise AssertionError(f"asked for lookahead {lookahead}")
+
+    scores = restored.score(LOOKAHEAD_1, 4 * B + 1, lookahead_hashes=refuse)
+    assert {(s.worker, s.hash_lookahead) for s in scores} == {("classic", 0), ("newcomer", 0)}
+
+
+# --- Window-group stores as real vLLM sends them -----------------------------------------------
+
+SWA_32 = GroupSpec("sliding_window", B, sliding_window=32)  # hits need the 2 trailing blocks
+
+
+def test_window_stores_with_fewer_or_no_hashes_than_token_blocks_count_only_their_hashes() -> None:
+    """A window group lists only the blocks it keeps: one hash with 9 or 10 blocks of token
+    ids, then a step that keeps none (token ids and a parent only). Only the listed hashes are
+    held, the parent is not, and nothing fails or is counted as odd."""
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(0, 0, stored(PROMPT[:11], 0)))
+    window = [
+        msgspec.structs.replace(stored([PROMPT[8]], 1, SWA_32), token_ids=list(range(9 * B))),
+        msgspec.structs.replace(
+            stored([PROMPT[9]], 1, SWA_32), parent_block_hash=PROMPT[8], token_ids=list(range(160))
+        ),
+        msgspec.structs.replace(
+            stored([], 1, SWA_32), parent_block_hash=PROMPT[9], token_ids=list(range(160, 176))
+        ),
+    ]
+    index.apply(record(0, 1, *window))
+    [info] = index.workers()
+    assert info.resident == {0: {"GPU": 11}, 1: {"GPU": 2}}
+    assert info.groups == {0: FULL, 1: SWA_32}
+    counters = index.counters
+    assert (counters.stored, counters.anomalies, counters.sizeless_stores) == (13, 0, 0)
+    # The 11-block hit would need window blocks 9 and 10: the hit is the 10 blocks 8..9 allow.
+    assert only(index.score(PROMPT[:11], 11 * B + 1)).hit_tokens == 10 * B
+    index.apply(record(1, 1, removed([PROMPT[7]], 1)))  # block 7 was never stored in the window
+    assert index.counters.anomalies == 1
+    assert only(index.score(PROMPT[:11], 11 * B + 1)).hit_tokens == 10 * B

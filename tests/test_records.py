@@ -97,6 +97,34 @@ def test_event_record_round_trip_with_every_event_type() -> None:
     }
 
 
+def test_records_carry_vllm_0_33_events_whole() -> None:
+    """Consumers learn a worker's lookahead hashing from its stores' ``lookahead_token_ids``,
+    and window stores list fewer hashes than token blocks (or none): a record changes nothing of
+    either, and a store as older vLLM sent it still reads with the new fields None."""
+    newest = [json.loads(line) for line in WIRE_VECTORS.read_text().splitlines()]
+    batches = [
+        events.decode(bytes.fromhex(v["payload_hex"])).batch
+        for v in newest
+        if v["vllm"] == "0.33.0"
+    ]
+    carried = [event for batch in batches for event in batch.events]
+    stores = [event for event in carried if isinstance(event, BlockStored)]
+    assert any(store.lookahead_token_ids for store in stores)
+    assert any(
+        len(store.token_ids) > len(store.block_hashes) * store.block_size for store in stores
+    )
+    assert any(not store.block_hashes and store.token_ids for store in stores)
+    record = EventRecord("w", 0, 3, 1.0, 1, carried)
+    assert records.decode_event_record(records.encode(record)).events == carried
+
+    older = EventRecord("w", 0, 3, 1.0, 0, [BlockStored([1], None, [], 16, None, "GPU", None)])
+    value = records.encode(older)
+    assert b"lookahead_token_ids" not in value and b"ownership" not in value
+    [store] = records.decode_event_record(value).events
+    assert isinstance(store, BlockStored)
+    assert (store.ownership, store.session_id, store.lookahead_token_ids) == (None, None, None)
+
+
 def test_event_headers_reused_across_a_workers_records_match_each_record() -> None:
     """One ``EventHeaders`` serves every record of a worker: a changed group, epoch or seq,
     including a bridge-made clear's seq -1, shows in the next record's headers."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
@@ -22,7 +24,7 @@ from bridge.records import EventRecord, Topics
 from consumers.api import ApiLimits, HashingDefaults, ScoreApi, ScoreStats, build_app
 from consumers.follower import Follower, FollowerConfig
 from consumers.metrics import index_registry
-from producer.events import BlockRemoved, BlockStored, ExternalBlockHash
+from producer.events import BlockRemoved, BlockStored, ExternalBlockHash, decode
 from producer.hashing import BlockHasher, block_extra_keys, external
 
 BLOCK = 16
@@ -73,15 +75,21 @@ def fill(follower: Follower) -> None:
     index.set_health("lora", "degraded")
 
 
-@pytest.fixture
-async def client() -> AsyncIterator[TestClient[Any, Any]]:
+@asynccontextmanager
+async def serving(filled: Callable[[Follower], None]) -> AsyncIterator[TestClient[Any, Any]]:
     follower = Follower(FollowerConfig("127.0.0.1:1", Topics("unused"), hash_block_size=BLOCK))
-    fill(follower)
+    filled(follower)
     stats = ScoreStats()
     api = ScoreApi(
         follower, index_registry(follower, stats), stats, hashing=HashingDefaults(), limits=LIMITS
     )
     async with TestClient(TestServer(build_app(api))) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[TestClient[Any, Any]]:
+    async with serving(fill) as test_client:
         yield test_client
 
 
@@ -317,3 +325,57 @@ async def test_answers_match_the_documented_schemas(client: TestClient[Any, Any]
     metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     response = await client.get("/metrics")
     assert response.content_type in metrics
+
+
+# ----------------------------------------------------------------------------- lookahead hashing
+
+DATA = Path(__file__).parents[1] / "data"
+WIRE_VECTORS = [json.loads(line) for line in (DATA / "vllm-wire.jsonl").read_text().splitlines()]
+HASH_VECTORS = {
+    case["case"]: case
+    for case in map(json.loads, (DATA / "vllm-hash-sha256_cbor.jsonl").read_text().splitlines())
+}
+# vLLM 0.33.0's own hashes of tokens 0..48 with one lookahead token (EAGLE), and its own store of
+# the first two of them (tests/data/README.md).
+LOOKAHEAD_CASE = HASH_VECTORS["v033-seed0-lookahead1-bs16"]
+EAGLE_STORE = next(
+    v for v in WIRE_VECTORS if v["vllm"] == "0.33.0" and v["case"] == "lookahead-store-with-session"
+)
+
+
+def fill_lookahead(follower: Follower) -> None:
+    """``eagle`` holds vLLM 0.33.0's lookahead-hashed blocks 0..1 of the prompt; ``classic``
+    holds all three blocks of the same prompt hashed the classic way."""
+    events = decode(bytes.fromhex(EAGLE_STORE["payload_hex"])).batch.events
+    follower.index.apply(EventRecord("eagle", 0, 0, 0.0, 0, events))
+    classic = HASHER.block_hashes(LOOKAHEAD_CASE["token_ids"], BLOCK)
+    follower.index.apply(
+        EventRecord("classic", 0, 0, 0.0, 0, [stored(list(map(external, classic)), 0)])
+    )
+
+
+async def test_a_lookahead_workers_blocks_are_found_from_the_prompts_token_ids() -> None:
+    assert EAGLE_STORE["expected"]["events"][0]["lookahead_token_ids"] == [[16], [32]]
+    async with serving(fill_lookahead) as test_client:
+        status, answer = await post_score(test_client, {"token_ids": LOOKAHEAD_CASE["token_ids"]})
+        assert status == 200
+        hits = by_worker(answer)
+        assert (hits["eagle"]["hit_tokens"], hits["eagle"]["hash_lookahead"]) == (2 * BLOCK, 1)
+        assert (hits["classic"]["hit_tokens"], hits["classic"]["hash_lookahead"]) == (3 * BLOCK, 0)
+        assert answer["best"] == "classic"
+        assert answer["prompt_blocks"] == 3
+
+        # Given hashes are taken as they are: these are the eagle's, which the classic lacks.
+        status, answer = await post_score(
+            test_client, {"block_hashes": LOOKAHEAD_CASE["external_ints"]}
+        )
+        hits = by_worker(answer)
+        assert (hits["eagle"]["hit_tokens"], hits["classic"]["hit_tokens"]) == (2 * BLOCK, 0)
+        assert hits["eagle"]["hash_lookahead"] == 1
+
+        response = await test_client.get("/v1/workers")
+        views = {view["worker"]: view for view in (await response.json())["workers"]}
+        assert {name: view["hash_lookahead"] for name, view in views.items()} == {
+            "classic": 0,
+            "eagle": 1,
+        }
