@@ -134,7 +134,8 @@ class Http:
     async def _request(self, method: str, url: str, data: bytes | None) -> bytes:
         """The body of a successful answer; any client error becomes a ``ServiceError``."""
         try:
-            async with self._session.request(method, url, data=data) as response:
+            headers = {"Content-Type": "application/json"} if data is not None else None
+            async with self._session.request(method, url, data=data, headers=headers) as response:
                 body = await response.read()
         except aiohttp.ClientError as error:
             raise ServiceError(f"{url}: {error or type(error).__name__}") from error
@@ -192,3 +193,62 @@ class IndexClient:
 
     async def workers(self) -> WorkersAnswer:
         return await self.http.get(f"{self.base_url}/v1/workers", WorkersAnswer)
+
+
+class Completion(msgspec.Struct, frozen=True):
+    """vLLM's answer to a completion: its usage carries the real prefix hit."""
+
+    usage: Usage
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptTokensDetails(msgspec.Struct, frozen=True):
+    cached_tokens: int | None = None
+
+
+class Served(msgspec.Struct, frozen=True):
+    """What vLLM reported for a prompt it served: its real prefix hit and the prompt's length."""
+
+    cached_tokens: int
+    prompt_tokens: int
+
+
+class VllmClient:
+    """A real vLLM server's OpenAI API: prompts as token ids, one greedy token each."""
+
+    def __init__(self, http: Http, name: str, base_url: str, model: str) -> None:
+        self.http = http
+        self.name = name
+        self.base_url = base_url
+        self.model = model
+
+    async def healthy(self) -> bool:
+        try:
+            return await self.http.status_code(f"{self.base_url}/health") == 200
+        except ServiceError:
+            return False
+
+    async def complete(self, token_ids: Sequence[int], max_tokens: int = 1) -> Served:
+        """vLLM's real hit for the prompt (``cached_tokens``), which serving it also caches.
+
+        Without ``--enable-prompt-tokens-details`` vLLM leaves the details out: an error, since
+        nothing could be compared.
+        """
+        document = {
+            "model": self.model,
+            "prompt": list(token_ids),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+        answer = await self.http.post(f"{self.base_url}/v1/completions", document, Completion)
+        details = answer.usage.prompt_tokens_details
+        if details is None or details.cached_tokens is None:
+            raise ServiceError(
+                f"{self.base_url}: no usage.prompt_tokens_details.cached_tokens (start vLLM with "
+                "--enable-prompt-tokens-details)"
+            )
+        return Served(details.cached_tokens, answer.usage.prompt_tokens)

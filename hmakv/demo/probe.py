@@ -136,7 +136,17 @@ def same_state(view: WorkerView, later: WorkerView | None) -> bool:
     )
 
 
-def _by_worker(answer: WorkersAnswer) -> dict[str, WorkerView]:
+def judge_decisions(stats: ProbeStats, comparisons: Sequence[Comparison]) -> None:
+    """Would routing by each answer have picked a worker with the longest real hit?"""
+    best_actual = max(c.actual for c in comparisons)
+    hma_choice = max(comparisons, key=lambda c: (c.hma, c.worker))
+    blind_choice = max(comparisons, key=lambda c: (c.group_blind, c.worker))
+    stats.decisions += 1
+    stats.hma_decisions_right += hma_choice.actual == best_actual
+    stats.blind_decisions_right += blind_choice.actual == best_actual
+
+
+def by_worker(answer: WorkersAnswer) -> dict[str, WorkerView]:
     return {view.worker: view for view in answer.workers}
 
 
@@ -195,7 +205,7 @@ class Prober:
         self.stats.raced += len(pending)
         self.stats.comparisons.extend(matched.values())
         if len(matched) == len(self._engines):
-            self._judge_decisions(list(matched.values()))
+            judge_decisions(self.stats, list(matched.values()))
         if answer is not None:
             self._route(prompt, answer)
 
@@ -210,7 +220,7 @@ class Prober:
             return None, {}
         self.stats.catch_up_s.append(time.monotonic() - started)
         answer = await self._index.score(prompt)
-        views_after = _by_worker(await self._index.workers())
+        views_after = by_worker(await self._index.workers())
         await self._sample_engines(prompt, samples)
         hits = {hit.worker: hit for hit in answer.workers}
         found: dict[str, Comparison] = {}
@@ -256,7 +266,7 @@ class Prober:
             answer, _ = await asyncio.gather(
                 self._index.workers(), self._sample_engines(prompt, samples)
             )
-            views = _by_worker(answer)
+            views = by_worker(answer)
             if all(reached(views.get(worker), seq) for worker, seq in seqs.items()):
                 return views
             if time.monotonic() >= deadline:
@@ -269,15 +279,6 @@ class Prober:
         if self._log.complete_through(view.worker) < seq:
             return False
         return holds_exactly(view, seq, self._log)
-
-    def _judge_decisions(self, comparisons: list[Comparison]) -> None:
-        """Would routing by each answer have picked a worker with the longest real hit?"""
-        best_actual = max(c.actual for c in comparisons)
-        hma_choice = max(comparisons, key=lambda c: (c.hma, c.worker))
-        blind_choice = max(comparisons, key=lambda c: (c.group_blind, c.worker))
-        self.stats.decisions += 1
-        self.stats.hma_decisions_right += hma_choice.actual == best_actual
-        self.stats.blind_decisions_right += blind_choice.actual == best_actual
 
     def _route(self, prompt: tuple[int, ...], answer: ScoreAnswer) -> None:
         """Send the prompt to the index's best worker (any worker when none holds a prefix)."""

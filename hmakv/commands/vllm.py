@@ -1,0 +1,160 @@
+"""``hmakv vllm``: real vLLM on this machine's CPU, with a tiny hybrid model built locally.
+
+``serve`` builds the profile's model if needed, prints where the server will listen, and then
+becomes vLLM's OpenAI server (exec), so a supervisor's SIGTERM stops vLLM itself. vLLM must be
+set up first by ``scripts/setup-vllm`` (its own venv; the venv's path is printed at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hmakv.argtypes import positive_int
+from hmakv.kafka.process import LOOPBACK, free_port
+from hmakv.vllm.profiles import PROFILES
+from hmakv.vllm.server import (
+    DEFAULT_TOPIC,
+    ServerPorts,
+    VllmUnavailable,
+    ensure_model,
+    server_argv,
+    server_env,
+    vllm_venv,
+)
+
+EXIT_OK = 0
+EXIT_RUNTIME_FAILURE = 1
+
+_ENV_PREFIX = "HMAKV_VLLM_"
+
+_EPILOG = """\
+Every option can also be set by an environment variable: HMAKV_VLLM_ and the option name in
+capitals with - as _ (HMAKV_VLLM_PROFILE=gemma3-swa64).
+
+examples:
+  scripts/setup-vllm                                   # once: vLLM's own venv
+  hmakv vllm profiles
+  hmakv vllm serve --profile gemma3-swa64 --port 8000 --events-port 5557 --replay-port 5560
+  hmakv decode --zmq tcp://127.0.0.1:5557 --topic kv-events     # watch its events"""
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(_ENV_PREFIX + name, default)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "vllm",
+        help="run real vLLM (CPU) with a tiny hybrid model and KV events on",
+        description="Real vLLM on the CPU: list the model profiles, build one, or serve it.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = parser.add_subparsers(dest="vllm_action", metavar="ACTION", required=True)
+    listing = actions.add_parser("profiles", help="the model profiles and their layer layouts")
+    listing.set_defaults(func=list_profiles)
+    model = actions.add_parser("model", help="build a profile's model (if not built) and print it")
+    _add_profile(model)
+    model.set_defaults(func=build)
+    serve = actions.add_parser("serve", help="serve a profile with vLLM, KV events on")
+    _add_profile(serve)
+    _add_serve_options(serve)
+    serve.set_defaults(func=run_server)
+
+
+def _add_profile(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=_env("PROFILE", "gemma3-swa64"),
+        help="model profile (default gemma3-swa64)",
+    )
+
+
+def _add_serve_options(parser: argparse.ArgumentParser) -> None:
+    for option, what in (
+        ("port", "the OpenAI API's port"),
+        ("events-port", "the KV events' PUB port"),
+        ("replay-port", "the KV events' replay (ROUTER) port"),
+    ):
+        parser.add_argument(
+            f"--{option}",
+            type=positive_int,
+            default=_env(option.upper().replace("-", "_")),
+            help=f"{what} (default: a free one)",
+        )
+    parser.add_argument(
+        "--topic",
+        default=_env("TOPIC", DEFAULT_TOPIC),
+        help="the KV events' ZMQ topic (default %(default)s)",
+    )
+    parser.add_argument(
+        "--num-gpu-blocks",
+        type=positive_int,
+        default=_env("NUM_GPU_BLOCKS"),
+        help="the block pool, vLLM's --num-gpu-blocks-override (default: the profile's, small "
+        "so that the cache evicts)",
+    )
+    parser.add_argument(
+        "--omp-threads",
+        type=positive_int,
+        default=_env("OMP_THREADS", "1"),
+        help="vLLM's CPU threads (default 1: the pipeline needs the other core)",
+    )
+    parser.add_argument(
+        "--hmakv-publisher",
+        action="store_true",
+        default=(_env("HMAKV_PUBLISHER") or "").strip() == "1",
+        help="publish through hmakv's publisher (the vLLM plugin, HMAKV_VLLM_PUBLISHER=1)",
+    )
+
+
+def list_profiles(args: argparse.Namespace) -> int:
+    for profile in PROFILES.values():
+        layers = " ".join("full" if t == "full_attention" else "swa" for t in profile.layer_types)
+        print(
+            f"{profile.name:<18} {profile.architecture:<20} layers [{layers}] "
+            f"window {profile.sliding_window} block {profile.block_size} "
+            f"pool {profile.num_gpu_blocks}"
+        )
+    print(f"vLLM venv: {vllm_venv()}")
+    return EXIT_OK
+
+
+def build(args: argparse.Namespace) -> int:
+    try:
+        print(ensure_model(PROFILES[args.profile]))
+    except VllmUnavailable as error:
+        print(f"hmakv vllm: {error}", file=sys.stderr)
+        return EXIT_RUNTIME_FAILURE
+    return EXIT_OK
+
+
+def run_server(args: argparse.Namespace) -> int:
+    profile = PROFILES[args.profile]
+    try:
+        model = ensure_model(profile)
+    except VllmUnavailable as error:
+        print(f"hmakv vllm: {error}", file=sys.stderr)
+        return EXIT_RUNTIME_FAILURE
+    ports = ServerPorts(
+        api=args.port or free_port(),
+        events=args.events_port or free_port(),
+        replay=args.replay_port or free_port(),
+    )
+    argv = server_argv(profile, model, ports, topic=args.topic, num_gpu_blocks=args.num_gpu_blocks)
+    env = {
+        **os.environ,
+        **server_env(hmakv_publisher=args.hmakv_publisher, omp_threads=args.omp_threads),
+    }
+    print(
+        f"hmakv vllm serve: {profile.name} at http://{LOOPBACK}:{ports.api}, KV events "
+        f"tcp://{LOOPBACK}:{ports.events} (replay tcp://{LOOPBACK}:{ports.replay}, topic "
+        f"{args.topic!r}), {'hmakv' if args.hmakv_publisher else 'vLLM'}'s publisher",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.execve(argv[0], argv, env)
+    return EXIT_RUNTIME_FAILURE  # not reached: exec replaces this process

@@ -1,0 +1,1 @@
+"""Real vLLM beside hmakv: tiny hybrid models, a server launcher, a fidelity probe."""

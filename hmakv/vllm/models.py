@@ -1,0 +1,129 @@
+"""Tiny random-weight hybrid models that real vLLM serves on this machine's CPU.
+
+No model can be downloaded here, and the pipeline's fidelity does not depend on weights: vLLM's
+KV-cache manager, its hybrid coordinator and its events depend only on the layer layout. So a
+model is a transformers config with the wanted layer types, random weights, and a byte-level
+tokenizer (one byte is one token, ids 0-255), which makes token ids computable without the model.
+
+Runs in the vLLM venv (transformers and torch come with vLLM): ``python -m hmakv.vllm.models
+--profile NAME --out DIR``; ``hmakv vllm serve`` calls it when the model is not built yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hmakv.vllm.profiles import PROFILES, VllmProfile
+
+BYTE_TOKENS = 256
+SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
+VOCAB_SIZE = BYTE_TOKENS + len(SPECIAL_TOKENS)
+STAMP = "hmakv-model.json"
+
+
+def build_model(profile: VllmProfile, out: Path) -> None:
+    """Write ``profile``'s config, random weights and tokenizer to ``out``, then a stamp."""
+    import torch
+
+    torch.manual_seed(0)
+    config = _CONFIGS[profile.architecture](profile)
+    model = _model_class(profile.architecture)(config).to(torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    _save_tokenizer(out)
+    (out / STAMP).write_text(json.dumps(profile.stamp(), sort_keys=True))
+
+
+def is_built(profile: VllmProfile, out: Path) -> bool:
+    """Whether ``out`` holds this very profile's model (a changed profile is built again)."""
+    try:
+        return bool(json.loads((out / STAMP).read_text()) == profile.stamp())
+    except (OSError, ValueError):
+        return False
+
+
+def _gemma3(profile: VllmProfile) -> Any:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(profile.layer_types),
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        layer_types=list(profile.layer_types),
+        sliding_window=profile.sliding_window,
+        max_position_embeddings=profile.max_model_len,
+        bos_token_id=BYTE_TOKENS,
+        eos_token_id=BYTE_TOKENS + 1,
+        pad_token_id=BYTE_TOKENS + 2,
+        torch_dtype="float32",
+        architectures=["Gemma3ForCausalLM"],
+    )
+
+
+_CONFIGS: dict[str, Callable[[VllmProfile], Any]] = {"Gemma3ForCausalLM": _gemma3}
+
+
+def _model_class(architecture: str) -> Any:
+    import transformers
+
+    return getattr(transformers, architecture)
+
+
+def _save_tokenizer(out: Path) -> None:
+    """A byte-level BPE without merges: byte ``b`` is token ``b``, whatever the text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    by_byte = _bytes_to_unicode()
+    vocab = {by_byte[b]: b for b in range(BYTE_TOKENS)}
+    assert set(vocab) == set(alphabet)
+    vocab.update({token: BYTE_TOKENS + i for i, token in enumerate(SPECIAL_TOKENS)})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=SPECIAL_TOKENS[0],
+        eos_token=SPECIAL_TOKENS[1],
+        pad_token=SPECIAL_TOKENS[2],
+    )
+    wrapped.save_pretrained(out)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-to-printable-character table, the one ``ByteLevel`` pre-tokenizes with."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(BYTE_TOKENS):
+        if b not in printable:
+            printable.append(b)
+            chars.append(BYTE_TOKENS + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="build a tiny hybrid model for vLLM")
+    parser.add_argument("--profile", required=True, choices=sorted(PROFILES))
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    profile = PROFILES[args.profile]
+    if not is_built(profile, args.out):
+        build_model(profile, args.out)
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
