@@ -42,7 +42,8 @@ examples:
   hmakv demo                                  # 60 s on Tansu, engines with their torch model
   hmakv demo --duration 20 --no-model --json out/summary.json --report out/report
   hmakv demo --kafka apache                   # Apache Kafka 4 (KRaft), needs Java
-  hmakv demo --kafka 127.0.0.1:9092           # an existing cluster (its own topics, removed)"""
+  hmakv demo --kafka 127.0.0.1:9092           # an existing cluster (its own topics, removed)
+  hmakv demo --engine vllm                    # two real vLLM servers (scripts/setup-vllm)"""
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -69,17 +70,20 @@ def _kafka(text: str) -> str:
     return text
 
 
-def _engine_choice(text: str) -> tuple[str, str, int | None]:
-    from hmakv.demo.config import parse_engine
+def _engine_choice(text: str) -> tuple[str, str, int | None] | str:
+    from hmakv.demo.config import VLLM, parse_engine
 
+    if text.strip() == VLLM:
+        return VLLM
     try:
         return parse_engine(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _env_engines() -> list[tuple[str, str, int | None]] | None:
-    """HMAKV_DEMO_ENGINE as a comma-separated list of PROFILE:WORKLOAD[:BLOCKS] (None: unset)."""
+def _env_engines() -> list[tuple[str, str, int | None] | str] | None:
+    """HMAKV_DEMO_ENGINE as a comma-separated list of PROFILE:WORKLOAD[:BLOCKS], or ``vllm``
+    (None: unset)."""
     text = (_env("ENGINE") or "").strip()
     if not text:
         return None
@@ -132,10 +136,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="append",
         type=_engine_choice,
         default=None,
-        metavar="PROFILE:WORKLOAD[:BLOCKS]",
+        metavar="PROFILE:WORKLOAD[:BLOCKS]|vllm",
         help="run an engine with this profile, workload and pool size (default: the demo's for "
         "the profile) instead of the --engines line-up; repeat for each engine, 2 to 6 "
-        "(env HMAKV_DEMO_ENGINE: comma-separated)",
+        "(env HMAKV_DEMO_ENGINE: comma-separated); 'vllm' alone: two real vLLM servers "
+        "(scripts/setup-vllm first) probed with real requests",
     )
     parser.add_argument(
         "--rate",
@@ -184,15 +189,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def engines_of(args: argparse.Namespace) -> tuple[EngineSpec, ...]:
     """The engines asked for: flags before the environment (--engine, --engines, then
     HMAKV_DEMO_ENGINE, HMAKV_DEMO_ENGINES), else the default line-up of two."""
-    from hmakv.demo.config import chosen_engines, engine_lineup
+    from hmakv.demo.config import engine_lineup
 
     if args.engine_choices:
-        return chosen_engines(args.engine_choices, args.seed)
+        return _chosen(args.engine_choices, args.seed)
     if args.engines is not None:
         return engine_lineup(args.engines, args.seed)
     choices = _env_engines()
     if choices:
-        return chosen_engines(choices, args.seed)
+        return _chosen(choices, args.seed)
     count = _env("ENGINES") or "2"
     try:
         return engine_lineup(_engine_count(count), args.seed)
@@ -200,8 +205,18 @@ def engines_of(args: argparse.Namespace) -> tuple[EngineSpec, ...]:
         raise ValueError(f"HMAKV_DEMO_ENGINES={count!r}: expected 2 to 6") from error
 
 
+def _chosen(choices: list[tuple[str, str, int | None] | str], seed: int) -> tuple[EngineSpec, ...]:
+    from hmakv.demo.config import VLLM, chosen_engines, vllm_lineup
+
+    if VLLM in choices:
+        if len(choices) > 1:
+            raise ValueError("--engine vllm is the whole line-up: give it alone")
+        return vllm_lineup(seed)
+    return chosen_engines([c for c in choices if not isinstance(c, str)], seed)
+
+
 def run(args: argparse.Namespace) -> int:
-    from hmakv.demo.config import DemoConfig, default_workdir
+    from hmakv.demo.config import VLLM, DemoConfig, default_workdir
     from hmakv.demo.run import run_demo
 
     try:
@@ -221,5 +236,6 @@ def run(args: argparse.Namespace) -> int:
         report_dir=args.report,
         refresh=sys.stdout.isatty() and not args.plain,
         interval_s=args.interval,
+        real_vllm=any(spec.workload == VLLM for spec in engines),
     )
     return run_demo(config)

@@ -36,6 +36,8 @@ class EngineSpec:
     seed: int
     num_blocks: int | None = None
     """A smaller pool than the profile's, so the cache fills and evicts within a short run."""
+    hmakv_publisher: bool = False
+    """A real vLLM server publishing through hmakv's publisher (the plugin) instead of its own."""
 
 
 # The first two are the issue's pair; more engines cycle through further layouts. Pools are
@@ -113,6 +115,33 @@ def chosen_engines(choices: Sequence[EngineChoice], seed: int) -> tuple[EngineSp
     )
 
 
+VLLM = "vllm"
+"""What ``--engine`` takes for the real-vLLM line-up instead of reference engines."""
+
+VLLM_LINEUP: tuple[tuple[str, bool], ...] = (
+    ("gemma3-swa64", False),
+    ("gemma3-swa128x3", True),
+)
+"""Real vLLM servers: two hybrid layouts, the second one publishing through hmakv's plugin."""
+
+
+def vllm_lineup(seed: int) -> tuple[EngineSpec, ...]:
+    """engine-a, engine-b: real vLLM servers with the ``VLLM_LINEUP`` profiles and pools."""
+    from hmakv.vllm.profiles import PROFILES
+
+    return tuple(
+        EngineSpec(
+            name=f"engine-{chr(ord('a') + index)}",
+            profile=profile,
+            workload=VLLM,
+            seed=seed + index,
+            num_blocks=PROFILES[profile].num_gpu_blocks,
+            hmakv_publisher=hmakv_publisher,
+        )
+        for index, (profile, hmakv_publisher) in enumerate(VLLM_LINEUP)
+    )
+
+
 KEPT_RUNS = 10
 
 
@@ -146,6 +175,8 @@ class DemoConfig:
     """A refreshing view (a TTY) instead of one plain line per ``interval_s``."""
     interval_s: float = 5.0
     sample_interval_s: float = 1.0
+    real_vllm: bool = False
+    """The engines are real vLLM servers (``--engine vllm``), probed with real requests."""
 
     @property
     def embedded_broker(self) -> EmbeddedBroker | None:

@@ -12,8 +12,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from hmakv.demo.client import EngineClient, EngineStatus, Http, IndexClient, WorkersAnswer
+from hmakv.demo.client import EngineStatus, Http, IndexClient, WorkersAnswer
 from hmakv.demo.promtext import MetricsPage
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,15 @@ def rate(later: Tick, earlier: Tick, value: Callable[[Tick], float]) -> float:
     return max(0.0, value(later) - value(earlier)) / elapsed
 
 
+class StatusSource(Protocol):
+    """An engine as the monitor reads it: a reference engine's API, or a vLLM witness."""
+
+    @property
+    def name(self) -> str: ...
+
+    async def status(self) -> EngineStatus: ...
+
+
 @dataclass
 class Monitor:
     """Samples every ``interval_s`` into ``ticks`` until stopped; a failed sample is skipped."""
@@ -94,7 +104,7 @@ class Monitor:
     http: Http
     bridge_url: str
     index: IndexClient
-    engines: Sequence[EngineClient]
+    engines: Sequence[StatusSource]
     clock: Callable[[], float]
     interval_s: float
     ticks: list[Tick] = field(default_factory=list)

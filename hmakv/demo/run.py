@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+import zmq.asyncio
 from aiokafka.errors import KafkaError
 
 from hmakv.demo.checks import acknowledged, answers, applied, catalogs, forwarded, ready
-from hmakv.demo.client import EngineClient, Http, IndexClient, ServiceError
-from hmakv.demo.config import DemoConfig, EngineSpec
+from hmakv.demo.client import EngineClient, Http, IndexClient, ServiceError, VllmClient
+from hmakv.demo.config import VLLM, DemoConfig, EngineSpec
 from hmakv.demo.live import LiveView
-from hmakv.demo.monitor import Monitor, Tick
+from hmakv.demo.monitor import Monitor, StatusSource, Tick
 from hmakv.demo.probe import Prober
 from hmakv.demo.processes import ChildExited, Children, hmakv_command
 from hmakv.demo.prompts import PromptSource
@@ -47,8 +48,15 @@ from hmakv.demo.summary import (
     render_text,
 )
 from hmakv.demo.topics import delete_topics
+from hmakv.demo.vllm_probe import FINAL_QUIET_S, VllmEngine, VllmProber
 from hmakv.kafka import BrokerStartError, JarFetchError, LocalBroker, local_broker
 from hmakv.kafka.process import LOOPBACK, free_port
+from hmakv.vllm.profiles import CPU_BLOCK_SIZE
+from hmakv.vllm.profiles import PROFILES as VLLM_PROFILES
+from hmakv.vllm.server import DEFAULT_TOPIC as VLLM_TOPIC
+from hmakv.vllm.server import SERVED_MODEL_NAME
+from hmakv.vllm.witness import EventWitness
+from hmakv.vllm.workload import VllmPrompts
 from producer.engine.profiles import get_profile
 
 log = logging.getLogger(__name__)
@@ -62,6 +70,8 @@ STARTUP_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 30.0
 STOP_GRACE_S = 20.0
 ENGINE_STOP_GRACE_S = 10.0
+VLLM_STARTUP_TIMEOUT_S = 400.0  # two servers starting at once on two cores
+VLLM_STOP_GRACE_S = 30.0
 POLL_S = 0.1
 INDEX_READY_MAX_LAG = 0
 MIN_COMPARED = 1
@@ -129,7 +139,7 @@ class Demo:
         self.endpoints = {spec.name: _engine_endpoints() for spec in config.engines}
         self.bridge_url = f"http://{LOOPBACK}:{free_port()}"
         self.index_url = f"http://{LOOPBACK}:{free_port()}"
-        self.use_model = config.use_model and torch_available()
+        self.use_model = config.real_vllm or (config.use_model and torch_available())
         self._started = time.time()
         self._run_started = time.monotonic()
 
@@ -189,19 +199,14 @@ class Demo:
                 await self._delete_topics()  # a failed or interrupted run's topics too
 
     async def _run(self, http: Http) -> int:
+        index = IndexClient(http, self.index_url)
+        if self.config.real_vllm:
+            return await self._run_vllm(http, index)
         engines = [
             EngineClient(http, s.name, self.endpoints[s.name].api_url) for s in self.config.engines
         ]
-        index = IndexClient(http, self.index_url)
         await self._start_services(http, engines, index)
-        monitor = Monitor(
-            http=http,
-            bridge_url=self.bridge_url,
-            index=index,
-            engines=engines,
-            clock=self.clock,
-            interval_s=self.config.sample_interval_s,
-        )
+        monitor = self._monitor(http, index, engines)
         record_log = RecordLog(
             self.bootstrap, f"{self.topic_prefix}.events", acknowledged(http, self.bridge_url)
         )
@@ -219,9 +224,7 @@ class Demo:
             await record_log.start()  # up to 30 s: a Ctrl-C here is still one while starting
             self._raise_if_interrupted()
             following = asyncio.create_task(record_log.run())
-            self._run_started = time.monotonic()
-            first = await monitor.sample()
-            self._raise_if_interrupted()
+            first = await self._first_sample(monitor)
             await self._run_phase(monitor, prober)
         finally:
             if following is not None:
@@ -234,6 +237,51 @@ class Demo:
         summary = self._summarise(first, last, prober, run_s, exits)
         await asyncio.to_thread(self._stop_everything)
         return self._finish(summary, monitor, prober)
+
+    async def _run_vllm(self, http: Http, index: IndexClient) -> int:
+        """The same run on real vLLM servers: their witnesses stand in for the engines' own
+        status and exit summaries, and the probe serves real requests (``VllmProber``)."""
+        context = zmq.asyncio.Context()
+        try:
+            engines = await self._start_vllm_services(http, index, context)
+            try:
+                monitor = self._monitor(http, index, engines)
+                prober = VllmProber(
+                    engines,
+                    index,
+                    VllmPrompts(seed=self.config.seed),
+                    clock=self.clock,
+                    pause_s=self.config.probe_pause_s,
+                )
+                first = await self._first_sample(monitor)
+                await self._run_phase(monitor, prober)
+                run_s = self.clock()
+                exits = await self._drain_vllm(http, engines, index)
+            finally:
+                for engine in engines:
+                    await engine.witness.close()
+        finally:
+            context.destroy(linger=0)
+        last = await monitor.sample(engines_running=False)
+        summary = self._summarise(first, last, prober, run_s, exits)
+        await asyncio.to_thread(self._stop_everything)
+        return self._finish(summary, monitor, prober)
+
+    def _monitor(self, http: Http, index: IndexClient, engines: Sequence[StatusSource]) -> Monitor:
+        return Monitor(
+            http=http,
+            bridge_url=self.bridge_url,
+            index=index,
+            engines=engines,
+            clock=self.clock,
+            interval_s=self.config.sample_interval_s,
+        )
+
+    async def _first_sample(self, monitor: Monitor) -> Tick:
+        self._run_started = time.monotonic()
+        first = await monitor.sample()
+        self._raise_if_interrupted()
+        return first
 
     def _raise_if_interrupted(self) -> None:
         if self.signals.stop.is_set():
@@ -261,6 +309,67 @@ class Demo:
             f"bridge {self.bridge_url}/metrics, index {self.index_url} (/v1/score, /metrics); "
             f"probing for {self.config.duration_s:g} s"
         )
+
+    async def _start_vllm_services(
+        self, http: Http, index: IndexClient, context: zmq.asyncio.Context
+    ) -> list[VllmEngine]:
+        """vLLM servers first (about a minute), their witnesses before any request, then the
+        bridge and the index; vLLM publishes nothing before its first request, so no catalog
+        is awaited."""
+        await self._start_broker()
+        for spec in self.config.engines:
+            self.children.spawn(spec.name, self._vllm_argv(spec))
+        clients = [
+            VllmClient(http, s.name, self.endpoints[s.name].api_url, SERVED_MODEL_NAME)
+            for s in self.config.engines
+        ]
+        for client in clients:
+            await self._wait_for(f"{client.name}'s vLLM", client.healthy, VLLM_STARTUP_TIMEOUT_S)
+        engines = [self._vllm_engine(spec, client, context) for spec, client in
+                   zip(self.config.engines, clients, strict=True)]  # fmt: skip
+        for engine in engines:
+            engine.witness.start()
+        self.say(f"vLLM up: {', '.join(self._engine_line(s) for s in self.config.engines)}")
+        self.children.spawn("bridge", self._bridge_argv())
+        await self._wait_for("the bridge's /readyz", ready(http, f"{self.bridge_url}/readyz"))
+        self.children.spawn("index", self._index_argv())
+        await self._wait_for("the index's /readyz", ready(http, f"{self.index_url}/readyz"))
+        self._write_services()
+        self.say(
+            f"bridge {self.bridge_url}/metrics, index {self.index_url} (/v1/score, /metrics); "
+            f"probing for {self.config.duration_s:g} s with real requests"
+        )
+        return engines
+
+    def _vllm_engine(
+        self, spec: EngineSpec, client: VllmClient, context: zmq.asyncio.Context
+    ) -> VllmEngine:
+        ports = self.endpoints[spec.name]
+        witness = EventWitness(
+            spec.name,
+            f"tcp://{LOOPBACK}:{ports.pub_port}",
+            f"tcp://{LOOPBACK}:{ports.replay_port}",
+            VLLM_TOPIC,
+            context,
+        )
+        profile = VLLM_PROFILES[spec.profile]
+        return VllmEngine(client, witness, profile, spec.num_blocks or profile.num_gpu_blocks)
+
+    def _vllm_argv(self, spec: EngineSpec) -> list[str]:
+        ports = self.endpoints[spec.name]
+        argv = [
+            *hmakv_command(), "vllm", "serve",
+            "--profile", spec.profile,
+            "--port", str(ports.api_port),
+            "--events-port", str(ports.pub_port),
+            "--replay-port", str(ports.replay_port),
+            "--topic", VLLM_TOPIC,
+        ]  # fmt: skip
+        if spec.num_blocks is not None:
+            argv += ["--num-gpu-blocks", str(spec.num_blocks)]
+        if spec.hmakv_publisher:
+            argv.append("--hmakv-publisher")
+        return argv
 
     def _write_services(self) -> None:
         write_services(
@@ -315,7 +424,8 @@ class Demo:
 
     def _bridge_argv(self) -> list[str]:
         engines_file = self.workdir / "bridge-engines.toml"
-        engines_file.write_text(bridge_engines_toml(self.config.engines, self.endpoints))
+        topic = VLLM_TOPIC if self.config.real_vllm else ""
+        engines_file.write_text(bridge_engines_toml(self.config.engines, self.endpoints, topic))
         return [
             *hmakv_command(),
             "bridge",
@@ -335,6 +445,7 @@ class Demo:
             "--snapshot-to", "none",
             "--follower-id", "hmakv-demo",
             "--ready-max-lag", str(INDEX_READY_MAX_LAG),
+            *(["--block-size", str(CPU_BLOCK_SIZE)] if self.config.real_vllm else []),
         ]  # fmt: skip
 
     def _engine_line(self, spec: EngineSpec) -> str:
@@ -353,7 +464,7 @@ class Demo:
 
     # ------------------------------------------------------------------------------ run
 
-    async def _run_phase(self, monitor: Monitor, prober: Prober) -> None:
+    async def _run_phase(self, monitor: Monitor, prober: Prober | VllmProber) -> None:
         stop_probe, stop_watch = asyncio.Event(), asyncio.Event()
         live = LiveView(
             monitor,
@@ -431,6 +542,32 @@ class Demo:
             self.say(f"while draining: {error}")
         return exits
 
+    async def _drain_vllm(
+        self, http: Http, engines: Sequence[VllmEngine], index: IndexClient
+    ) -> dict[str, EngineExit]:
+        """Probing has stopped: wait until the bridge forwarded and the index applied every seq
+        the witnesses saw, then stop the servers. What each published is the witness's count."""
+        last_seqs = {engine.name: await engine.witness.settle(FINAL_QUIET_S) for engine in engines}
+        self.say("probing stopped; waiting for the bridge and the index to deliver every event")
+        try:
+            await self._wait_drained(
+                "the bridge to forward", forwarded(http, self.bridge_url, last_seqs)
+            )
+            await self._wait_drained("the index to apply", applied(index, last_seqs))
+        except ChildExited as error:
+            self.say(f"while draining: {error}")
+        servers = [c for c in self.children.started if c.name in self.endpoints]
+        codes = await asyncio.to_thread(self.children.stop, servers, VLLM_STOP_GRACE_S)
+        return {
+            engine.name: EngineExit(
+                code=vllm_exit_code(codes[engine.name]),
+                events=engine.witness.state.events,
+                last_seq=engine.witness.state.last_seq,
+                dropped=None,
+            )
+            for engine in engines
+        }
+
     async def _wait_drained(self, what: str, done: Callable[[], Awaitable[bool]]) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while not self.signals.hurry.is_set():
@@ -445,7 +582,7 @@ class Demo:
         self,
         first: Tick,
         last: Tick,
-        prober: Prober,
+        prober: Prober | VllmProber,
         run_s: float,
         exits: dict[str, EngineExit],
     ) -> Summary:
@@ -465,7 +602,7 @@ class Demo:
         embedded = self.config.embedded_broker
         return f"{embedded} (embedded) at {self.bootstrap}" if embedded else self.bootstrap
 
-    def _finish(self, summary: Summary, monitor: Monitor, prober: Prober) -> int:
+    def _finish(self, summary: Summary, monitor: Monitor, prober: Prober | VllmProber) -> int:
         self.say(render_text(summary))
         saved = self.config.json_path is None or self._save_json(summary, self.config.json_path)
         reported = self.config.report_dir is None or self._report(summary, monitor, prober)
@@ -481,7 +618,7 @@ class Demo:
         self.say(f"summary JSON: {path}")
         return True
 
-    def _report(self, summary: Summary, monitor: Monitor, prober: Prober) -> bool:
+    def _report(self, summary: Summary, monitor: Monitor, prober: Prober | VllmProber) -> bool:
         assert self.config.report_dir is not None
         try:
             from hmakv.demo.report import write_report  # matplotlib only when a report is asked
@@ -526,7 +663,7 @@ class Demo:
 
 
 def bridge_engines_toml(
-    specs: Sequence[EngineSpec], endpoints: Mapping[str, EngineEndpoints]
+    specs: Sequence[EngineSpec], endpoints: Mapping[str, EngineEndpoints], topic: str = ""
 ) -> str:
     """The bridge's engines file: each engine's endpoints and, for chunked local attention, the
     chunk size, which never travels on the wire (without it the index falls back to the
@@ -540,16 +677,24 @@ def bridge_engines_toml(
             f'endpoint = "tcp://{LOOPBACK}:{ports.pub_port}"',
             f'replay = "tcp://{LOOPBACK}:{ports.replay_port}"',
         ]
+        if topic:
+            lines.append(f"topic = {json.dumps(topic)}")
+        groups = get_profile(spec.profile).groups if spec.workload != VLLM else ()
         chunked = [
             f"{group} = {{ kind = {json.dumps(g.kind)}, block_size = {g.block_size}, "
             f"chunk_size = {g.chunk_size} }}"
-            for group, g in enumerate(get_profile(spec.profile).groups)
+            for group, g in enumerate(groups)
             if g.chunk_size is not None
         ]
         if chunked:
             lines.append(f"groups = {{ {', '.join(chunked)} }}")
         lines.append("")
     return "\n".join(lines)
+
+
+def vllm_exit_code(code: int | None) -> int | None:
+    """vLLM's API server ends on the demo's SIGTERM by re-raising it: that is a clean stop."""
+    return 0 if code == -signal.SIGTERM else code
 
 
 def _engine_endpoints() -> EngineEndpoints:
