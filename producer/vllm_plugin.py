@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 from typing import Any
 
 from producer.publisher import ZmqEventPublisher
@@ -30,6 +31,21 @@ REPLACED_PUBLISHER = "zmq"
 VLLM_KV_EVENTS_MODULE = "vllm.distributed.kv_events"
 
 _warned_unknown: set[frozenset[str]] = set()
+
+
+class VllmZmqEventPublisher(ZmqEventPublisher):
+    """hmakv's publisher with the one method vLLM's engine calls beyond ``publish``/``shutdown``.
+
+    vLLM 0.32's engine core asks its scheduler for ``kv_event_publisher.get_publisher_config()``
+    in its ready handshake (the front end lists it as the engine's KV-event source); without it
+    the engine core dies at startup with an ``AttributeError``. Like vLLM's own publisher, this
+    answers with a ``KVEventsConfig`` of the endpoints actually bound (after the DP-rank offset).
+    """
+
+    publisher_config: Any = None
+
+    def get_publisher_config(self) -> Any:
+        return self.publisher_config
 
 
 def create_publisher(
@@ -50,7 +66,7 @@ def create_publisher(
     """
     if unknown:
         _warn_unknown_once(frozenset(unknown))
-    return ZmqEventPublisher(
+    publisher = VllmZmqEventPublisher(
         data_parallel_rank,
         endpoint,
         replay_endpoint,
@@ -59,6 +75,19 @@ def create_publisher(
         max_queue_size,
         topic,
     )
+    config_type = getattr(sys.modules.get(VLLM_KV_EVENTS_MODULE), "KVEventsConfig", None)
+    if config_type is not None:
+        publisher.publisher_config = config_type(
+            enable_kv_cache_events=True,
+            publisher=REPLACED_PUBLISHER,
+            endpoint=publisher.endpoint,
+            replay_endpoint=publisher.replay_endpoint,
+            buffer_steps=buffer_steps,
+            hwm=hwm,
+            max_queue_size=max_queue_size,
+            topic=topic,
+        )
+    return publisher
 
 
 def register() -> None:
@@ -76,6 +105,7 @@ def register() -> None:
             error,
         )
         return
+    _log_through_vllm()
     registry = kv_events.EventPublisherFactory._registry
     if registry.get(REPLACED_PUBLISHER) is create_publisher:
         return  # vLLM may load plugins more than once per process
@@ -85,6 +115,23 @@ def register() -> None:
         REPLACED_PUBLISHER,
         OPT_IN_ENV,
     )
+
+
+def _log_through_vllm() -> None:
+    """Log as vLLM's own ``vllm.*`` loggers do, once vLLM has configured its logger.
+
+    vLLM configures only the ``vllm`` logger (its handler, INFO, no propagation); a logger
+    outside that tree falls back to the root's WARNING level, so the INFO line saying that the
+    publisher was replaced never showed in vLLM's log.
+    """
+    vllm_logger = logging.getLogger("vllm")
+    if not vllm_logger.handlers or logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(vllm_logger.level)
+    logger.propagate = False
 
 
 def _warn_unknown_once(names: frozenset[str]) -> None:

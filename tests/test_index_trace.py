@@ -1,11 +1,14 @@
-"""The index against vLLM itself, on a trace recorded from vLLM's own KVCacheManager.
+"""The index against vLLM itself, on traces recorded from vLLM (see tests/data/README.md).
 
-``tests/data/vllm-trace-swa-small-seed1.jsonl.gz`` (see tests/data/README.md) holds every event
-batch vLLM emitted for groups full attention, sliding window 32 and sliding window 64, and probes:
-the prefix hit vLLM itself found for a prompt right after a given batch. The batches go in as the
-bridge will send them (one worker, epoch 0, one record per batch and group) and every probe's
-prediction must equal vLLM's. The simplifications peers make are measured on the same probes and
-must each get some wrong, or the trace would not be telling the indexes apart.
+``vllm-trace-swa-small-seed1.jsonl.gz`` comes from vLLM's own KVCacheManager (groups full
+attention, sliding window 32 and sliding window 64); ``vllm-real-gemma3-swa64-seed7.jsonl.gz``
+from a real vLLM 0.32.0 server on the CPU (a sliding window 64 group, then full attention; its
+probes' hits are the ``cached_tokens`` vLLM reported). Each holds every event batch vLLM
+published and probes: the prefix hit vLLM itself found for a prompt right after a given batch.
+The batches go in as the bridge will send them (one worker, epoch 0, one record per batch and
+group) and every probe's prediction must equal vLLM's. The simplifications peers make are
+measured on the same probes and must each get some wrong, or the trace would not be telling the
+indexes apart.
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ from bridge.records import EventRecord
 from consumers.index import KVIndex
 from producer.events import AllBlocksCleared, ExternalBlockHash, KVEvent, KVEventBatch, decode
 
-TRACE = Path(__file__).parent / "data" / "vllm-trace-swa-small-seed1.jsonl.gz"
+DATA = Path(__file__).parent / "data"
 WORKER = "vllm-0"
 
 
 class Config(msgspec.Struct, tag_field="kind", tag="config"):
     groups: list[str]
+    block_size: int
+
+    @property
+    def full_attention_groups(self) -> list[int]:
+        return [i for i, name in enumerate(self.groups) if name.startswith("full")]
 
 
 class Batch(msgspec.Struct, tag_field="kind", tag="batch"):
@@ -46,9 +54,31 @@ class Probe(msgspec.Struct, tag_field="kind", tag="probe"):
         return len(self.token_ids)
 
 
-def trace_lines() -> list[Config | Batch | Probe]:
+class Trace(msgspec.Struct, frozen=True):
+    path: Path
+    probes: int
+
+    @property
+    def config(self) -> Config:
+        config = trace_lines(self.path)[0]
+        assert isinstance(config, Config)
+        return config
+
+
+TRACES = {
+    "kv-cache-manager": Trace(DATA / "vllm-trace-swa-small-seed1.jsonl.gz", probes=120),
+    "real-vllm-server": Trace(DATA / "vllm-real-gemma3-swa64-seed7.jsonl.gz", probes=79),
+}
+
+
+@pytest.fixture(params=sorted(TRACES))
+def trace(request: pytest.FixtureRequest) -> Trace:
+    return TRACES[request.param]
+
+
+def trace_lines(path: Path) -> list[Config | Batch | Probe]:
     decoder = msgspec.json.Decoder(Config | Batch | Probe)
-    with gzip.open(TRACE, "rb") as lines:
+    with gzip.open(path, "rb") as lines:
         return [decoder.decode(line) for line in lines]
 
 
@@ -65,9 +95,9 @@ def records_of(seq: int, batch: KVEventBatch, groups: range) -> list[EventRecord
     ]
 
 
-def replay(apply: Callable[[EventRecord], object]) -> Iterator[Probe]:
+def replay(trace: Trace, apply: Callable[[EventRecord], object]) -> Iterator[Probe]:
     """Feed the trace's batches in order, yielding each probe once its batch is applied."""
-    config, *lines = trace_lines()
+    config, *lines = trace_lines(trace.path)
     assert isinstance(config, Config)
     groups = range(len(config.groups))
     batch_seqs = [line.seq for line in lines if isinstance(line, Batch)]
@@ -80,19 +110,19 @@ def replay(apply: Callable[[EventRecord], object]) -> Iterator[Probe]:
             applied = line.seq
         elif isinstance(line, Probe):
             # Exactly the batches up to after_seq are in: none later, none missing.
-            assert applied == max(seq for seq in batch_seqs if seq <= line.after_seq)
+            assert applied == max((seq for seq in batch_seqs if seq <= line.after_seq), default=-1)
             yield line
 
 
-def test_every_probe_matches_vllm() -> None:
-    index = KVIndex(hash_block_size=16)
+def test_every_probe_matches_vllm(trace: Trace) -> None:
+    index = KVIndex(hash_block_size=trace.config.block_size)
     probes = 0
-    for probe in replay(index.apply):
+    for probe in replay(trace, index.apply):
         [score] = index.score(probe.block_hashes, probe.num_tokens)
         assert score.hit_tokens == probe.expected_hit_tokens, probe.after_seq
         probes += 1
     counters = index.counters
-    assert probes == 120
+    assert probes == trace.probes
     assert counters.anomalies == 0  # vLLM never removes what it did not store
     # The trace exercises what the index exists for: SWA copies evicted while the full-attention
     # copy stays, and duplicate copies of one hash in one group.
@@ -100,46 +130,53 @@ def test_every_probe_matches_vllm() -> None:
     assert counters.duplicate_copies > 0
 
 
-def agreement(predict: Callable[[Probe], int], apply: Callable[[EventRecord], object]) -> float:
-    probes = list(_predictions(predict, apply))
+def agreement(
+    trace: Trace, predict: Callable[[Probe], int], apply: Callable[[EventRecord], object]
+) -> float:
+    probes = list(_predictions(trace, predict, apply))
     return sum(got == probe.expected_hit_tokens for probe, got in probes) / len(probes)
 
 
 def _predictions(
-    predict: Callable[[Probe], int], apply: Callable[[EventRecord], object]
+    trace: Trace, predict: Callable[[Probe], int], apply: Callable[[EventRecord], object]
 ) -> Iterator[tuple[Probe, int]]:
-    for probe in replay(apply):
+    for probe in replay(trace, apply):
         yield probe, predict(probe)
 
 
-def test_simpler_indexes_get_probes_wrong(capsys: pytest.CaptureFixture[str]) -> None:
+def test_simpler_indexes_get_probes_wrong(trace: Trace, capsys: pytest.CaptureFixture[str]) -> None:
     """Sets, removal-means-gone, full attention only, group-blind: each misses some probes."""
-    counting = KVIndex(hash_block_size=16)
-    sets = ReferenceIndex(16, counting=False)
-    gone = ReferenceIndex(16, counting=False, removal_means_gone=True)
-    full_only = ReferenceIndex(16)
+    size, full = trace.config.block_size, trace.config.full_attention_groups
+    counting = KVIndex(hash_block_size=size)
+    sets = ReferenceIndex(size, counting=False)
+    gone = ReferenceIndex(size, counting=False, removal_means_gone=True)
+    full_only = ReferenceIndex(size)
+    blind = KVIndex(hash_block_size=size)
     rates = {
         "HMA rule + counts (this index)": agreement(
-            lambda p: counting.score(p.block_hashes, p.num_tokens)[0].hit_tokens, counting.apply
+            trace,
+            lambda p: counting.score(p.block_hashes, p.num_tokens)[0].hit_tokens,
+            counting.apply,
         ),
         "HMA rule + sets": agreement(
-            lambda p: sets.hit_tokens(WORKER, p.block_hashes, p.num_tokens), sets.apply
+            trace, lambda p: sets.hit_tokens(WORKER, p.block_hashes, p.num_tokens), sets.apply
         ),
         "removal means gone": agreement(
-            lambda p: gone.hit_tokens(WORKER, p.block_hashes, p.num_tokens), gone.apply
+            trace, lambda p: gone.hit_tokens(WORKER, p.block_hashes, p.num_tokens), gone.apply
         ),
         "full attention only": agreement(
-            lambda p: full_only.hit_tokens(WORKER, p.block_hashes, p.num_tokens, only_groups=[0]),
+            trace,
+            lambda p: full_only.hit_tokens(WORKER, p.block_hashes, p.num_tokens, only_groups=full),
             full_only.apply,
         ),
+        "group-blind": agreement(
+            trace,
+            lambda p: blind.score(p.block_hashes, p.num_tokens)[0].group_blind_hit_tokens,
+            blind.apply,
+        ),
     }
-    blind = KVIndex(hash_block_size=16)
-    rates["group-blind"] = agreement(
-        lambda p: blind.score(p.block_hashes, p.num_tokens)[0].group_blind_hit_tokens,
-        blind.apply,
-    )
     with capsys.disabled():
-        print("\nagreement with vLLM on", TRACE.name)
+        print("\nagreement with vLLM on", trace.path.name)
         for name, rate in rates.items():
             print(f"  {name:32s} {rate:6.1%}")
     assert rates.pop("HMA rule + counts (this index)") == 1.0

@@ -118,7 +118,7 @@ def write_trace(
     ]
     for order, (prompt, found) in enumerate(probes):
         comparison = next((c for c in found if c.worker == engine.name), None)
-        if comparison is None:
+        if comparison is None or comparison.seq < 0:  # nothing published yet: nothing to index
             continue
         digests = hasher.block_hashes(list(prompt), engine.profile.block_size)
         probe = {
