@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Any
 
+from producer.events import BlockStored, ExternalBlockHash, KVEvent
 from producer.publisher import ZmqEventPublisher
 
 logger = logging.getLogger(__name__)
@@ -29,23 +30,75 @@ logger = logging.getLogger(__name__)
 OPT_IN_ENV = "HMAKV_VLLM_PUBLISHER"
 REPLACED_PUBLISHER = "zmq"
 VLLM_KV_EVENTS_MODULE = "vllm.distributed.kv_events"
+VLLM_SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 _warned_unknown: set[frozenset[str]] = set()
 
 
 class VllmZmqEventPublisher(ZmqEventPublisher):
-    """hmakv's publisher with the one method vLLM's engine calls beyond ``publish``/``shutdown``.
+    """hmakv's publisher with what vLLM's engine needs beyond ``publish``/``shutdown``.
 
     vLLM 0.32's engine core asks its scheduler for ``kv_event_publisher.get_publisher_config()``
     in its ready handshake (the front end lists it as the engine's KV-event source); without it
     the engine core dies at startup with an ``AttributeError``. Like vLLM's own publisher, this
     answers with a ``KVEventsConfig`` of the endpoints actually bound (after the DP-rank offset).
+
+    Snapshots read the scheduler's ``KVCacheManager``, which vLLM creates after the publisher:
+    ``register`` wraps the scheduler's constructor to hand it over (``cache_manager``).
     """
 
     publisher_config: Any = None
+    cache_manager: Any = None
 
     def get_publisher_config(self) -> Any:
         return self.publisher_config
+
+    def vllm_snapshot(self) -> list[KVEvent]:
+        """The provider: every block vLLM's prefix cache holds, on the engine thread."""
+        if self.cache_manager is None:
+            raise RuntimeError("vLLM's KV cache manager was never handed to the publisher")
+        return snapshot_events(self.cache_manager)
+
+
+def snapshot_events(manager: Any) -> list[KVEvent]:
+    """One ``BlockStored`` per group with every cached hash, once per physical copy (consumers
+    count copies), tagged with the group's kind and window as vLLM tags its own stores.
+
+    Reads vLLM 0.32's block pool: ``cached_block_hash_to_block`` maps a hash with its group id
+    (the last 4 bytes) to one block or a dict of copies; it has no public iterator.
+    """
+    pool = manager.block_pool
+    hashes: dict[int, list[ExternalBlockHash]] = {}
+    for key, blocks in pool.cached_block_hash_to_block._cache.items():
+        group = int.from_bytes(key[-4:], "big")
+        copies = len(blocks) if isinstance(blocks, dict) else 1
+        hashes.setdefault(group, []).extend([_external(key[:-4])] * copies)
+    groups = manager.kv_cache_config.kv_cache_groups
+    stores: list[KVEvent] = []
+    for group, group_hashes in sorted(hashes.items()):
+        kind, window = manager.kv_cache_event_metadata[group]
+        stores.append(
+            BlockStored(
+                block_hashes=group_hashes,
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=groups[group].kv_cache_spec.block_size,
+                lora_id=None,
+                medium=pool.medium,
+                lora_name=None,
+                group_idx=group,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+            )
+        )
+    return stores
+
+
+def _external(digest: bytes) -> ExternalBlockHash:
+    """vLLM's ``maybe_convert_block_hash``: the last 8 bytes as an unsigned int by default."""
+    if os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip().lower() in ("0", "false"):
+        return digest
+    return int.from_bytes(digest[-8:], "big")
 
 
 def create_publisher(
@@ -74,6 +127,7 @@ def create_publisher(
         hwm,
         max_queue_size,
         topic,
+        snapshot_provider=lambda: publisher.vllm_snapshot(),
     )
     config_type = getattr(sys.modules.get(VLLM_KV_EVENTS_MODULE), "KVEventsConfig", None)
     if config_type is not None:
@@ -106,6 +160,7 @@ def register() -> None:
         )
         return
     _log_through_vllm()
+    _hand_over_cache_manager()
     registry = kv_events.EventPublisherFactory._registry
     if registry.get(REPLACED_PUBLISHER) is create_publisher:
         return  # vLLM may load plugins more than once per process
@@ -115,6 +170,29 @@ def register() -> None:
         REPLACED_PUBLISHER,
         OPT_IN_ENV,
     )
+
+
+def _hand_over_cache_manager() -> None:
+    """Wrap vLLM's ``Scheduler.__init__`` so that hmakv's publisher gets the scheduler's
+    ``KVCacheManager`` for snapshots; without that scheduler (another vLLM) snapshots are off."""
+    try:
+        scheduler_module = importlib.import_module(VLLM_SCHEDULER_MODULE)
+    except ImportError:
+        logger.warning("vLLM's scheduler is not at %s: no snapshots", VLLM_SCHEDULER_MODULE)
+        return
+    scheduler = scheduler_module.Scheduler
+    original = scheduler.__init__
+    if getattr(original, "_hmakv_wrapped", False):
+        return
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        publisher = getattr(self, "kv_event_publisher", None)
+        if isinstance(publisher, VllmZmqEventPublisher):
+            publisher.cache_manager = getattr(self, "kv_cache_manager", None)
+
+    init._hmakv_wrapped = True  # type: ignore[attr-defined]
+    scheduler.__init__ = init
 
 
 def _log_through_vllm() -> None:

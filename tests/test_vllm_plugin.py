@@ -1,7 +1,7 @@
-"""The vLLM general plugin, against vLLM's documented publisher interface.
+"""The vLLM general plugin, against vLLM's documented publisher interface, without vLLM.
 
-vLLM itself cannot be installed here (it needs a GPU build and gigabytes of dependencies), so
-``vllm.distributed.kv_events`` is faked: an ``EventPublisherFactory`` that behaves like vLLM's
+Real vLLM runs the plugin in tests/vllm (seconds to start, gigabytes to install); these fast
+tests fake ``vllm.distributed.kv_events`` instead: an ``EventPublisherFactory`` that behaves like vLLM's
 (a ``_registry`` holding "null" and "zmq", ``register_publisher`` refusing an existing name,
 ``create`` passing ``asdict(config)`` minus ``publisher`` and ``enable_kv_cache_events`` as
 keywords), a ``KVEventsConfig`` dataclass with vLLM's fields, and msgspec event structs shaped
@@ -322,6 +322,7 @@ def test_config_fields_from_a_newer_vllm_are_ignored_with_one_warning(
     kv_events: types.ModuleType, caplog: pytest.LogCaptureFixture
 ) -> None:
     vllm_plugin.register()
+    caplog.clear()  # registering says this fake vLLM has no scheduler to snapshot
     config = NewerKVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",

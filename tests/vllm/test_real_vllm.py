@@ -16,6 +16,9 @@ import asyncio
 import gzip
 import json
 import os
+import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +26,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from vllm_kit import Fleet, ServerSpec, start_fleet
+from vllm_kit import Fleet, Server, ServerSpec, start_fleet
 
 from hmakv.demo.client import Http
 from hmakv.demo.probe import Comparison
@@ -31,8 +34,10 @@ from hmakv.demo.promtext import MetricsPage
 from hmakv.demo.vllm_probe import VllmEngine, VllmProber
 from hmakv.kafka import unique_topic
 from hmakv.vllm.profiles import HASH_FN, HASH_SEED
+from hmakv.vllm.server import SERVED_MODEL_NAME
 from hmakv.vllm.witness import ALL_GROUPS
 from hmakv.vllm.workload import VllmPrompts
+from producer.events import AllBlocksCleared, BlockStored, KVEvent, decode
 from producer.hashing import BlockHasher, external
 from producer.publisher import END_SEQ, SNAPSHOT_REQUEST
 
@@ -187,14 +192,21 @@ def assert_nothing_lost(fleet: Fleet) -> None:
 
 def test_hmakv_publisher_runs_inside_real_vllm(fleet: Fleet) -> None:
     """vLLM loads hmakv's publisher through the plugin: seq 0 announces the engine's life with a
-    clear (vLLM's own publisher sends none), and a snapshot request is answered with the cache."""
+    clear (vLLM's own publisher sends none), and a snapshot request is answered with the blocks
+    vLLM's prefix cache holds, as of the seq the snapshot carries."""
     [plugin] = [s for s in fleet.servers if s.spec.name == HMAKV_PLUGIN.name]
     assert PLUGIN_LOG_LINE in plugin.child.log_path.read_text(errors="replace")
     first = {name: first_batch_groups(fleet, name) for name in (VLLM_OWN.name, plugin.spec.name)}
     assert ALL_GROUPS in first[plugin.spec.name]
     assert ALL_GROUPS not in first[VLLM_OWN.name]
-    snapshot = request_snapshot(plugin.replay)
-    assert snapshot, "no snapshot offered"
+
+    seq, events = snapshot_during_a_request(plugin)
+    assert isinstance(events[0], AllBlocksCleared)
+    stores = events[1:]
+    assert stores and all(isinstance(e, BlockStored) for e in stores)
+    snapshot = {e.group_idx: len(set(e.block_hashes)) for e in stores if isinstance(e, BlockStored)}
+    view = index_view_at(fleet, plugin.spec.name, seq)
+    assert {g: blocks["GPU"] for g, blocks in view.items() if blocks.get("GPU")} == snapshot
 
 
 def first_batch_groups(fleet: Fleet, name: str) -> frozenset[int]:
@@ -203,10 +215,7 @@ def first_batch_groups(fleet: Fleet, name: str) -> frozenset[int]:
         try:
             [engine] = [e for e in fleet.engines(http, context) if e.name == name]
             engine.witness.start()
-            await asyncio.sleep(0.2)
-            await engine.witness.settle()
-            if 0 not in engine.witness.state.batches:
-                await engine.witness.replay_from(0)
+            await engine.witness.replay_from(0)
             await engine.witness.close()
             return engine.witness.state.batches[0].groups
         finally:
@@ -216,8 +225,28 @@ def first_batch_groups(fleet: Fleet, name: str) -> frozenset[int]:
     return asyncio.run(read())
 
 
-def request_snapshot(replay: str) -> list[bytes]:
-    """The payloads of the snapshot the publisher sends for ``SNAPSHOT_REQUEST``."""
+def snapshot_during_a_request(server: Server) -> tuple[int, list[KVEvent]]:
+    """Ask for a snapshot, then serve a request: vLLM's engine thread takes the snapshot at its
+    next publish (an idle vLLM publishes nothing). Returns its seq and events."""
+    replies: list[list[bytes]] = []
+    asking = threading.Thread(target=lambda: replies.extend(snapshot_frames(server.replay)))
+    asking.start()
+    time.sleep(0.5)  # the request reaches the publisher thread before the step
+    body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": list(range(200)), "max_tokens": 1})
+    request = urllib.request.Request(
+        f"{server.api_url}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+    )
+    urllib.request.urlopen(request, timeout=60).read()
+    asking.join(timeout=60)
+    assert replies, "no snapshot offered"
+    seqs = {int.from_bytes(frames[-2], "big") for frames in replies}
+    assert len(seqs) == 1  # every chunk of one snapshot carries its seq
+    events = [event for frames in replies for event in decode(frames[-1]).batch.events]
+    return seqs.pop(), events
+
+
+def snapshot_frames(replay: str) -> list[list[bytes]]:
+    """Every reply to one ``SNAPSHOT_REQUEST``, up to the end marker."""
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -225,12 +254,31 @@ def request_snapshot(replay: str) -> list[bytes]:
     dealer.connect(replay)
     try:
         dealer.send_multipart([b"", SNAPSHOT_REQUEST.to_bytes(8, "big")])
-        payloads = []
-        while True:
-            frames = dealer.recv_multipart()
-            if frames[-2] == END_SEQ:
-                return payloads
-            payloads.append(frames[-1])
+        replies = []
+        while (frames := dealer.recv_multipart())[-2] != END_SEQ:
+            replies.append(frames)
+        return replies
     finally:
         dealer.close()
         context.term()
+
+
+def index_view_at(fleet: Fleet, worker: str, seq: int) -> dict[int, dict[str, int]]:
+    """The index's resident blocks of ``worker`` once it applied exactly through ``seq``."""
+
+    async def read() -> dict[int, dict[str, int]]:
+        http = Http()
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                views = (await fleet.index(http).workers()).workers
+                view = next((v for v in views if v.worker == worker), None)
+                if view is not None and max(view.last_seq.values(), default=-1) >= seq:
+                    assert max(view.last_seq.values()) == seq, "vLLM published past the snapshot"
+                    return view.resident_blocks
+                await asyncio.sleep(0.05)
+            raise TimeoutError(f"the index never applied {worker}'s seq {seq}")
+        finally:
+            await http.close()
+
+    return asyncio.run(read())
