@@ -20,6 +20,7 @@ import importlib
 import logging
 import os
 import sys
+from collections import Counter
 from typing import Any
 
 from producer.events import BlockStored, ExternalBlockHash, KVEvent
@@ -62,20 +63,24 @@ class VllmZmqEventPublisher(ZmqEventPublisher):
 
 def snapshot_events(manager: Any) -> list[KVEvent]:
     """One ``BlockStored`` per group with every cached hash, once per physical copy (consumers
-    count copies), tagged with the group's kind and window as vLLM tags its own stores.
+    count copies), tagged with the group's kind and window as vLLM tags its own stores: the
+    cache as of the batch being published.
 
     Reads vLLM 0.32's block pool: ``cached_block_hash_to_block`` maps a hash with its group id
     (the last 4 bytes) to one block or a dict of copies; it has no public iterator.
     """
     pool = manager.block_pool
-    hashes: dict[int, list[ExternalBlockHash]] = {}
+    copies: dict[int, Counter[ExternalBlockHash]] = {}
     for key, blocks in pool.cached_block_hash_to_block._cache.items():
-        group = int.from_bytes(key[-4:], "big")
-        copies = len(blocks) if isinstance(blocks, dict) else 1
-        hashes.setdefault(group, []).extend([_external(key[:-4])] * copies)
+        counts = copies.setdefault(int.from_bytes(key[-4:], "big"), Counter())
+        counts[_external(key[:-4])] += len(blocks) if isinstance(blocks, dict) else 1
+    _undo_unpublished(copies, pool.kv_event_queue)
     groups = manager.kv_cache_config.kv_cache_groups
     stores: list[KVEvent] = []
-    for group, group_hashes in sorted(hashes.items()):
+    for group, counts in sorted(copies.items()):
+        group_hashes = list((+counts).elements())
+        if not group_hashes:
+            continue
         kind, window = manager.kv_cache_event_metadata[group]
         stores.append(
             BlockStored(
@@ -92,6 +97,22 @@ def snapshot_events(manager: Any) -> list[KVEvent]:
             )
         )
     return stores
+
+
+def _undo_unpublished(
+    copies: dict[int, Counter[ExternalBlockHash]], unpublished: list[Any]
+) -> None:
+    """Take back what the pool did after the batch being published: with async scheduling vLLM
+    schedules step S+1 (allocating, evicting) before it publishes step S, and those events wait
+    in the pool's queue for batch S+1, which consumers of the snapshot (the state after S) will
+    apply. A clear among them leaves no way back: then there is no snapshot."""
+    for event in reversed(unpublished):
+        kind = type(event).__name__
+        if kind == "AllBlocksCleared":
+            raise RuntimeError("a clear waits to be published: no snapshot until it is")
+        group = copies.setdefault(event.group_idx or 0, Counter())
+        undo = -1 if kind == "BlockStored" else 1
+        group.update({block_hash: undo for block_hash in event.block_hashes})
 
 
 def _external(digest: bytes) -> ExternalBlockHash:

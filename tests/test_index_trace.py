@@ -23,7 +23,14 @@ from test_index_model import ReferenceIndex
 
 from bridge.records import EventRecord
 from consumers.index import KVIndex
-from producer.events import AllBlocksCleared, ExternalBlockHash, KVEvent, KVEventBatch, decode
+from producer.events import (
+    AllBlocksCleared,
+    BlockStored,
+    ExternalBlockHash,
+    KVEvent,
+    KVEventBatch,
+    decode,
+)
 
 DATA = Path(__file__).parent / "data"
 WORKER = "vllm-0"
@@ -181,3 +188,21 @@ def test_simpler_indexes_get_probes_wrong(trace: Trace, capsys: pytest.CaptureFi
             print(f"  {name:32s} {rate:6.1%}")
     assert rates.pop("HMA rule + counts (this index)") == 1.0
     assert all(rate < 1.0 for rate in rates.values()), rates
+
+
+def test_the_real_servers_trace_holds_vllms_window_stores() -> None:
+    """What a real vLLM server sends for a sliding-window group, and the index above must take:
+    stores listing fewer hashes than their token ids cover, and stores listing none at all."""
+    config, *lines = trace_lines(TRACES["real-vllm-server"].path)
+    assert isinstance(config, Config)
+    stores = [
+        event
+        for line in lines
+        if isinstance(line, Batch)
+        for event in decode(bytes.fromhex(line.payload_hex)).batch.events
+        if isinstance(event, BlockStored) and event.kv_cache_spec_kind == "sliding_window"
+    ]
+    short = [s for s in stores if 0 < len(s.block_hashes) * config.block_size < len(s.token_ids)]
+    empty = [s for s in stores if not s.block_hashes and s.token_ids]
+    assert short and empty
+    assert all(s.parent_block_hash is not None for s in empty)

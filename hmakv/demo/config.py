@@ -120,9 +120,10 @@ VLLM = "vllm"
 
 VLLM_LINEUP: tuple[tuple[str, bool], ...] = (
     ("gemma3-swa64", False),
-    ("gemma3-swa128x3", True),
+    ("qwen3next-gdn3", True),
 )
-"""Real vLLM servers: two hybrid layouts, the second one publishing through hmakv's plugin."""
+"""Real vLLM servers: a sliding-window hybrid (Gemma 3) and a mamba hybrid (Qwen3-Next, gated
+delta-net layers), the second one publishing through hmakv's plugin."""
 
 
 def vllm_lineup(seed: int) -> tuple[EngineSpec, ...]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hmakv.vllm.profiles import PROFILES, VllmProfile
+from hmakv.vllm.profiles import CHUNKED, PROFILES, VllmProfile
 
 BYTE_TOKENS = 256
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
@@ -69,7 +69,104 @@ def _gemma3(profile: VllmProfile) -> Any:
     )
 
 
-_CONFIGS: dict[str, Callable[[VllmProfile], Any]] = {"Gemma3ForCausalLM": _gemma3}
+def _special_ids() -> dict[str, int]:
+    return {
+        "bos_token_id": BYTE_TOKENS,
+        "eos_token_id": BYTE_TOKENS + 1,
+        "pad_token_id": BYTE_TOKENS + 2,
+    }
+
+
+def _gpt_oss(profile: VllmProfile) -> Any:
+    """gpt-oss's layout (sliding and full attention with sinks) over a four-expert MoE."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=len(profile.layer_types),
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=list(profile.layer_types),
+        sliding_window=profile.sliding_window,
+        max_position_embeddings=profile.max_model_len,
+        torch_dtype="float32",
+        architectures=["GptOssForCausalLM"],
+        **_special_ids(),
+    )
+
+
+def _qwen3_next(profile: VllmProfile) -> Any:
+    """Gated delta-net (linear attention) and full attention over a four-expert MoE.
+
+    The sizes are not free: vLLM's CPU delta-net kernel takes head dim 128 only ("Unexpected
+    head dim size, 32"), and vLLM raises the attention block size until one attention page holds
+    a whole mamba state, so the full-attention layer is wide (8 KV heads of 128: 4 KiB a token in
+    bfloat16) to keep every group's block at 32 tokens (2 heads of 32 made it 544).
+    """
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(profile.layer_types),
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=1,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        layer_types=list(profile.layer_types),
+        max_position_embeddings=profile.max_model_len,
+        torch_dtype="float32",
+        architectures=["Qwen3NextForCausalLM"],
+        **_special_ids(),
+    )
+
+
+def _llama4(profile: VllmProfile) -> Any:
+    """Llama 4's chunked local attention: RoPE layers attend within a chunk, NoPE layers fully."""
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=64,
+        intermediate_size_mlp=128,
+        num_hidden_layers=len(profile.layer_types),
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        # 1: a RoPE layer, chunked; 0: a NoPE layer, full attention (vLLM reads this list).
+        no_rope_layers=[int(kind == CHUNKED) for kind in profile.layer_types],
+        attention_chunk_size=profile.chunk_size,
+        max_position_embeddings=profile.max_model_len,
+        torch_dtype="float32",
+        architectures=["Llama4ForCausalLM"],
+        **_special_ids(),
+    )
+
+
+_CONFIGS: dict[str, Callable[[VllmProfile], Any]] = {
+    "Gemma3ForCausalLM": _gemma3,
+    "GptOssForCausalLM": _gpt_oss,
+    "Qwen3NextForCausalLM": _qwen3_next,
+    "Llama4ForCausalLM": _llama4,
+}
 
 
 def _model_class(architecture: str) -> Any:

@@ -98,7 +98,7 @@ def server_argv(
         "--served-model-name", SERVED_MODEL_NAME,
         "--host", "127.0.0.1",
         "--port", str(ports.api),
-        "--dtype", "float32",
+        "--dtype", profile.dtype,
         "--max-model-len", str(profile.max_model_len),
         "--enforce-eager",
         "--block-size", str(profile.block_size),

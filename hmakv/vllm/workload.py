@@ -3,9 +3,11 @@
 Token ids are bytes (0-255), which every model ``hmakv.vllm.models`` builds reads as one token
 each. The mix: chats that grow turn by turn, questions over shared long documents, agent loops
 that append tool outputs, branches that keep only the start of an earlier prompt (a user editing
-an earlier turn), and bursts of requests sharing a new long prefix. With the small block pools
-of the profiles, it fills the cache within a few dozen prompts, so vLLM evicts, and evicts
-sliding-window blocks while the full-attention ones of the same prefix stay.
+an earlier turn), a prompt cut to whole blocks sent twice (vLLM caps a hit one token short of
+the prompt, so the retry computes the last block again: a second copy of its hash, and window
+groups that store no hash for it), and bursts of requests sharing a new long prefix. With the
+small block pools of the profiles, it fills the cache within a few dozen prompts, so vLLM
+evicts, and evicts sliding-window blocks while the full-attention ones of the same prefix stay.
 """
 
 from __future__ import annotations
@@ -14,10 +16,20 @@ import random
 from collections import deque
 from collections.abc import Callable
 
+from hmakv.vllm.profiles import CPU_BLOCK_SIZE
+
 TOKENS = 256
-CHAT, DOCUMENT, AGENT, BRANCH, BURST = "chat", "document", "agent", "branch", "burst"
-KINDS = (CHAT, DOCUMENT, AGENT, BRANCH, BURST)
-WEIGHTS = (0.3, 0.2, 0.2, 0.15, 0.15)
+BLOCK = CPU_BLOCK_SIZE
+CHAT, DOCUMENT, AGENT, BRANCH, BURST, REPEAT = (
+    "chat",
+    "document",
+    "agent",
+    "branch",
+    "burst",
+    "repeat",
+)
+KINDS = (CHAT, DOCUMENT, AGENT, BRANCH, BURST, REPEAT)
+WEIGHTS = (0.3, 0.2, 0.2, 0.1, 0.1, 0.1)
 SYSTEM_PROMPTS = 3
 DOCUMENTS = 4
 BURST_LENGTH = 3
@@ -51,6 +63,11 @@ class VllmPrompts:
             return self._grow(self._agents, lambda: self._tokens(60, 200))
         if kind == DOCUMENT:
             return self._rng.choice(self._documents) + self._tokens(10, 40)
+        if kind == REPEAT and self._recent:
+            earlier = self._rng.choice(self._recent)
+            cut = earlier[: max(BLOCK, len(earlier) // BLOCK * BLOCK)]
+            self._burst = [cut]  # and its retry, next
+            return cut
         if kind == BRANCH and self._recent:
             earlier = self._rng.choice(self._recent)
             return earlier[: round(len(earlier) * self._rng.uniform(0.3, 0.9))] + self._tokens(
