@@ -17,10 +17,12 @@ What this publisher adds, all of it invisible to a client written for vLLM:
 * ``publish()`` only assigns the seq and appends to a bounded queue: encoding and sending happen
   on the publisher's own thread. When the queue is full the batch is dropped but keeps its seq,
   so subscribers see the loss as a gap (vLLM's ``publish()`` blocks the scheduler instead).
-  ``publish()`` does not even wake the publisher thread, since waking a sleeping thread costs
-  the caller several microseconds; the thread looks at the queue every ``flush_interval_ms``
-  (1 ms) while idle and sends without pause while there is work, so a batch leaves within about
-  a millisecond, plus however long the engine thread holds the GIL.
+  ``publish()`` does not wake the publisher thread while it is busy, since waking a sleeping
+  thread costs the caller several microseconds; the thread looks at the queue every
+  ``flush_interval_ms`` (1 ms) and sends without pause while there is work, so a batch leaves
+  within about a millisecond, plus however long the engine thread holds the GIL. After 50 ms
+  with nothing to do the thread dozes (100 ms polls, so an idle engine costs no CPU), and the
+  first ``publish()`` then wakes it: one wake per idle spell.
 * Replies go out without blocking, a bounded number of messages per client per loop turn,
   interleaved with live batches; a client that stops reading is abandoned after
   ``replay_timeout`` seconds without progress (vLLM's ROUTER silently drops such replies).
@@ -68,6 +70,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """seq frame of the end marker that closes every replay reply."""
 
 _END_FRAMES = (b"", END_SEQ, b"")
+_DOZE_AFTER_S = 0.05  # idle this long, the publisher thread polls every _DOZE_MS instead
+_DOZE_MS = 100
 _LIVE_CHUNK = 64  # live batches per loop turn, so replay requests are read between chunks
 _REQUESTS_PER_TURN = 64  # replay requests read per loop turn, so live batches go between them
 _LOG_INTERVAL_S = 10.0  # at most one line per kind of trouble per interval
@@ -144,7 +148,7 @@ class _Handoff:
     operation and attribute write atomic. Live batches are picked up by polling; only the rare
     events (a snapshot taken, shutdown) wake the publisher thread through ``wake_fd``."""
 
-    __slots__ = ("abort", "closing", "queue", "snapshot_wanted", "snapshots", "wake_fd")
+    __slots__ = ("abort", "closing", "dozing", "queue", "snapshot_wanted", "snapshots", "wake_fd")
 
     def __init__(self) -> None:
         self.queue: deque[tuple[int, EventBatchLike]] = deque()
@@ -152,6 +156,8 @@ class _Handoff:
         self.snapshot_wanted = False
         self.closing = False
         self.abort = False
+        self.dozing = False
+        """Raised by the publisher thread before a long poll: the next publish must wake it."""
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     def wake(self) -> None:
@@ -302,14 +308,18 @@ class _PublisherLoop:
             self._poller.register(router, zmq.POLLIN)
         self.stats = PublisherStats()
         self.flush_deadline = 0.0  # monotonic time until which closing may flush the PUB socket
+        self._idle_since = time.monotonic()  # the end of the last work done
 
     def run(self) -> None:
         try:
             while not self._handoff.abort:
+                busy = bool(self._handoff.queue)
                 self._send_live()
                 if self._handoff.closing and not self._handoff.queue:
                     break
                 replies_pending = self._serve_replies()
+                if busy or replies_pending or self._streams or self._snapshot_waiters:
+                    self._idle_since = time.monotonic()
                 if not (replies_pending or self._handoff.queue):
                     self._wait()
         except Exception:
@@ -525,10 +535,18 @@ class _PublisherLoop:
     # --- waiting and closing ------------------------------------------------------------------
 
     def _wait(self) -> None:
-        """Sleep one flush interval, or less if a client writes or the engine wakes the thread."""
-        ready = dict(self._poller.poll(self._settings.flush_interval_ms))
-        if self._handoff.wake_fd in ready:
-            os.eventfd_read(self._handoff.wake_fd)
+        """Sleep one flush interval, or less if a client writes or the engine wakes the thread;
+        after ``_DOZE_AFTER_S`` idle, doze: the flag goes up before the queue is looked at
+        again, so a ``publish()`` either is seen here or sees the flag and wakes the thread."""
+        handoff, timeout = self._handoff, self._settings.flush_interval_ms
+        if time.monotonic() - self._idle_since >= _DOZE_AFTER_S:
+            handoff.dozing = True
+            if not (handoff.queue or handoff.closing or handoff.snapshots):
+                timeout = _DOZE_MS
+        ready = dict(self._poller.poll(timeout))
+        handoff.dozing = False
+        if handoff.wake_fd in ready:
+            os.eventfd_read(handoff.wake_fd)
 
     def _close(self) -> None:
         if self._streams or self._snapshot_waiters:
@@ -648,6 +666,9 @@ class ZmqEventPublisher:
             handoff.queue.append((seq, events))
         else:
             self._dropped_queue_full += 1
+        if handoff.dozing:
+            handoff.dozing = False
+            handoff.wake()
         if handoff.snapshot_wanted:
             self._take_snapshot(seq)
 

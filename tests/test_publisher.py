@@ -175,6 +175,23 @@ def test_live_batches_arrive_in_order_with_consecutive_seqs(
     assert received[201][1] == KVEventBatch(2.0, [BlockRemoved([2**64 - 1], "CPU")], 0)
 
 
+def test_an_idle_publisher_dozes_and_the_next_batch_wakes_it(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[str, str]
+) -> None:
+    """An idle engine costs no CPU (the thread stops polling every millisecond), yet a batch
+    published then still goes out: publish() sees the thread dozing and wakes it."""
+    with publisher(endpoints) as pub:
+        sub = subscriber(ctx, local(pub.endpoint))
+        last = join_live_stream(pub, sub)
+        handoff = pub._handoff
+        for spell in range(3):
+            wait_until(lambda: handoff.dozing, "the idle publisher thread dozes")
+            pub.publish(removal(spell))
+            assert not handoff.dozing  # taken down by publish(), which woke the thread
+            seq, batch = receive_live(sub)
+            assert (seq, batch.events) == (last + 1 + spell, [BlockRemoved([spell], "GPU")])
+
+
 def test_seq_zero_is_an_all_blocks_cleared(
     ctx: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[str, str]
 ) -> None:

@@ -93,7 +93,7 @@ def server_argv(
         "topic": topic,
     }
     return [
-        str(vllm_python()), "-m", API_SERVER_MODULE,
+        str(vllm_venv() / "bin" / "python"), "-m", API_SERVER_MODULE,
         "--model", str(model),
         "--served-model-name", SERVED_MODEL_NAME,
         "--host", "127.0.0.1",

@@ -16,6 +16,7 @@ import asyncio
 import gzip
 import json
 import os
+import signal
 import threading
 import time
 import urllib.request
@@ -297,3 +298,27 @@ def snapshot_frames(replay: str) -> list[list[bytes]]:
     finally:
         dealer.close()
         context.term()
+
+
+def test_a_server_stops_with_its_engine_processes(fleet: Fleet) -> None:
+    """SIGTERM to ``hmakv vllm serve`` (vLLM's API server, after the exec) stops vLLM's engine
+    core and worker too: nothing of the server's session outlives it. Runs last: it stops them."""
+    sessions = {server.child.pid: session_members(server.child.pid) for server in fleet.servers}
+    assert all(len(members) >= 2 for members in sessions.values())  # API server + engine core
+    codes = fleet.children.stop([server.child for server in fleet.servers], grace_s=30.0)
+    assert all(code in (0, -signal.SIGTERM) for code in codes.values()), codes
+    for leader, members in sessions.items():
+        assert session_members(leader) == set(), members
+
+
+def session_members(session: int) -> set[int]:
+    """The live processes whose session id is ``session`` (``/proc/<pid>/stat`` field 6)."""
+    members = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] not in ("Z", "X"):
+            members.add(int(stat.parent.name))
+    return members
