@@ -73,6 +73,7 @@ from bridge.records import Topics  # noqa: E402
 from hmakv.kafka import ApacheKafkaBroker, unique_topic  # noqa: E402
 from hmakv.kafka.process import free_port  # noqa: E402
 from producer.events import BlockRemoved, BlockStored, KVEventBatch, decode  # noqa: E402
+from producer.protocol import decode_seq, encode_seq  # noqa: E402
 from producer.publisher import ZmqEventPublisher  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "bridge.json"
@@ -89,7 +90,7 @@ GAPS_DETECTED = "hmakv_bridge_gaps_detected_total"
 ENGINE_FLUSH_MS = 5
 APPEND_TIME = "LogAppendTime"  # record timestamps set by the broker: the end of added latency
 GROUPS = ((0, "full_attention", None), (1, "sliding_window", 128))
-START_SEQ = (0).to_bytes(8, "big")  # an engine's seq 0: the clear it publishes when it starts
+START_SEQ = encode_seq(0)  # an engine's seq 0: the clear it publishes when it starts
 RECEIVE_LIMIT = 1024  # messages the bare loops take from one socket per turn
 
 
@@ -403,7 +404,7 @@ async def _forward(job: ForwarderJob, ready: Event, result: mp.Queue) -> None:  
     while min(last_seq) < job.steps or held or in_flight:
         for index, sub in enumerate(subs):
             for frames in take_ready(sub, RECEIVE_LIMIT):
-                last_seq[index] = int.from_bytes(frames[1], "big")
+                last_seq[index] = decode_seq(frames[1])
                 batch = decode(frames[2]).batch
                 for record in fan_out(f"e{index}", 0, last_seq[index], batch, (0, 1)):
                     key = records.event_key(record.worker, record.group_idx)

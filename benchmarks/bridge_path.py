@@ -58,6 +58,7 @@ from bridge.tracking import SequenceTracker  # noqa: E402
 from hmakv.commands.bridge import tune_garbage_collector  # noqa: E402
 from producer.events import KVEventBatch, decode  # noqa: E402
 from producer.events import encode as encode_batch  # noqa: E402
+from producer.protocol import decode_seq, live_frames  # noqa: E402
 
 
 def _load_step_batch() -> Callable[[int, int], KVEventBatch]:
@@ -101,10 +102,7 @@ class InstantProducer:
 def live_messages(steps: int) -> Messages:
     step_batch = _load_step_batch()
     return [
-        [
-            [b"", seq.to_bytes(8, "big"), encode_batch(step_batch(seq, worker))]
-            for seq in range(steps)
-        ]
+        [live_frames(b"", seq, encode_batch(step_batch(seq, worker))) for seq in range(steps)]
         for worker in range(WORKERS)
     ]
 
@@ -165,7 +163,7 @@ def bare_path(messages: Messages) -> float:
         name, headers = f"e{worker}", records.EventHeaders(f"e{worker}")
         builder = producer.create_batch()
         for frames in worker_messages:
-            seq = int.from_bytes(frames[1], "big")
+            seq = decode_seq(frames[1])
             batch = decode(frames[2]).batch
             for record in fan_out(name, 0, seq, batch, (0, 1)):
                 key = records.event_key(name, record.group_idx)

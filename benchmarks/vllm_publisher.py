@@ -70,7 +70,8 @@ from hmakv.kafka.process import LOOPBACK, free_port
 from hmakv.vllm.server import DEFAULT_TOPIC, SERVED_MODEL_NAME
 from hmakv.vllm.workload import VllmPrompts
 from producer import events as wire
-from producer.publisher import END_SEQ, SNAPSHOT_REQUEST
+from producer import protocol
+from producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "vllm_publisher.json"
 HMAKV_BIN = Path(sys.executable).parent / "hmakv"
@@ -294,7 +295,7 @@ def count_events(frames: list[list[bytes]]) -> dict[str, Any]:
     stored = removed = 0
     seqs = []
     for _topic, seq, payload in frames:
-        seqs.append(int.from_bytes(seq, "big"))
+        seqs.append(decode_seq(seq))
         for event in wire.decode(payload).batch.events:
             types[type(event).__name__] += 1
             if isinstance(event, wire.BlockStored):
@@ -318,17 +319,17 @@ def replay_request(ctx: zmq.Context[zmq.Socket[bytes]], port: int, start: int) -
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(f"tcp://{LOOPBACK}:{port}")
-    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    dealer.send_multipart(protocol.replay_request(start))
     replies: list[Any] = []
     try:
         while dealer.poll(10_000):
             frames = dealer.recv_multipart()
-            if frames[2] == END_SEQ:
+            if frames[2] == END_SEQ_FRAME:
                 replies.append("END")
                 break
             if len(replies) < 3:
                 names = [type(e).__name__ for e in wire.decode(frames[3]).batch.events]
-                replies.append([int.from_bytes(frames[2], "big"), names[:4]])
+                replies.append([decode_seq(frames[2]), names[:4]])
     finally:
         dealer.close()
     return replies

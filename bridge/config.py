@@ -29,7 +29,7 @@ import msgspec
 
 from bridge.records import worker_id
 from producer.events import GROUP_KINDS, MAX_GROUP_IDX, GroupSpec
-from producer.publisher import offset_endpoint_port
+from producer.protocol import offset_endpoint_port
 
 _FLAG_OPTIONS = ("replay", "topic", "dp", "shard")
 

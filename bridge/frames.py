@@ -3,24 +3,18 @@
 Nothing here raises on bad input: a frame an engine (or anyone able to reach the socket) sends
 is data, and the bridge must keep going whatever it is. A ``Rejected`` carries the raw frames and
 one reason out of a fixed set, so that the dead-letter topic keeps the evidence and the
-Prometheus label stays bounded.
+Prometheus label stays bounded. The frames are parsed by ``producer.protocol``; what is added
+here is the bridge's own checks (topic, payload size and decoding) and their reasons.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from producer.events import DecodedBatch, WireDecodeError, decode
+from producer.protocol import Malformed, ReplyEnd, SeqFrames, parse_live, parse_reply
 
-SEQ_BYTES = 8
-END_SEQ = -1
-_LIVE_FRAMES = 3  # topic, seq, payload
-# Replies as a DEALER sees them: an empty delimiter, then topic (since vLLM PR #45177), seq,
-# payload; the end marker has an empty payload and seq -1.
-_REPLY_FRAMES = 4
-_OLD_REPLY_FRAMES = 3
 # The llm-d convention for a publisher's topic: kv@<pod-id>@<model>.
 _LLMD_PREFIX = "kv@"
 
@@ -28,7 +22,7 @@ _LLMD_PREFIX = "kv@"
 class RejectReason(enum.Enum):
     """Why a message was not used; the value is the Prometheus label and dead-letter header."""
 
-    FRAME_COUNT = "frame_count"
+    FRAME_COUNT = "frame_count"  # these two: producer.protocol's FrameProblem labels
     SEQ_SIZE = "seq_size"
     PAYLOAD_OVERSIZE = "payload_oversize"
     PAYLOAD_UNDECODABLE = "payload_undecodable"
@@ -45,49 +39,25 @@ class Rejected:
     seq: int | None = None  # known when the frames were well formed up to the payload
 
 
-class SeqFrames(NamedTuple):
-    """A well-formed message: topic, seq and a payload still to decode. A named tuple, as one
-    is made per message: a frozen dataclass takes twice as long to build."""
-
-    topic: bytes
-    seq: int
-    payload: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class ReplyEnd:
-    """The end marker of a replay or snapshot reply."""
-
-
 def split_live(frames: list[bytes], topic: bytes | None) -> SeqFrames | Rejected:
     """A PUB message; ``topic`` is the exact topic expected, or None for any."""
-    if len(frames) != _LIVE_FRAMES:
-        detail = f"{len(frames)} frames, expected 3 (topic, seq, payload)"
-        return Rejected(RejectReason.FRAME_COUNT, detail, frames)
-    message_topic, seq_frame, payload = frames
-    if len(seq_frame) != SEQ_BYTES:
-        detail = f"seq frame of {len(seq_frame)} bytes, expected {SEQ_BYTES}"
-        return Rejected(RejectReason.SEQ_SIZE, detail, frames)
-    seq = int.from_bytes(seq_frame, "big")
-    if topic is not None and message_topic != topic:
-        detail = f"topic {message_topic!r}, expected {topic!r}"
-        return Rejected(RejectReason.TOPIC_MISMATCH, detail, frames, seq)
-    return SeqFrames(message_topic, seq, payload)
+    message = parse_live(frames)
+    if isinstance(message, Malformed):
+        return _rejected(message, frames)
+    if topic is not None and message.topic != topic:
+        detail = f"topic {message.topic!r}, expected {topic!r}"
+        return Rejected(RejectReason.TOPIC_MISMATCH, detail, frames, message.seq)
+    return message
 
 
 def split_reply(frames: list[bytes]) -> SeqFrames | ReplyEnd | Rejected:
     """A replay or snapshot reply message, with or without the topic frame."""
-    if len(frames) not in (_REPLY_FRAMES, _OLD_REPLY_FRAMES) or frames[0]:
-        detail = f"{len(frames)} frames, expected ['', topic, seq, payload] or ['', seq, payload]"
-        return Rejected(RejectReason.FRAME_COUNT, detail, frames)
-    topic = frames[1] if len(frames) == _REPLY_FRAMES else b""
-    seq_frame, payload = frames[-2], frames[-1]
-    if len(seq_frame) != SEQ_BYTES:
-        detail = f"seq frame of {len(seq_frame)} bytes, expected {SEQ_BYTES}"
-        return Rejected(RejectReason.SEQ_SIZE, detail, frames)
-    if int.from_bytes(seq_frame, "big", signed=True) == END_SEQ and not payload:
-        return ReplyEnd()
-    return SeqFrames(topic, int.from_bytes(seq_frame, "big"), payload)
+    reply = parse_reply(frames)
+    return _rejected(reply, frames) if isinstance(reply, Malformed) else reply
+
+
+def _rejected(malformed: Malformed, frames: list[bytes]) -> Rejected:
+    return Rejected(RejectReason(malformed.problem), malformed.detail, frames)
 
 
 def decode_payload(

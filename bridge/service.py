@@ -48,7 +48,7 @@ from bridge.source import (
 )
 from bridge.tracking import DEFAULT_MAX_BUFFERED, ResumePoint, SequenceTracker
 from producer.events import DEFAULT_MAX_PAYLOAD_BYTES
-from producer.publisher import offset_endpoint_port
+from producer.protocol import offset_endpoint_port
 
 log = logging.getLogger(__name__)
 

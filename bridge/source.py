@@ -30,15 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from bridge.board import WorkerBoard, WorkerView
 from bridge.config import WorkerAddress
-from bridge.frames import (
-    Rejected,
-    RejectReason,
-    ReplyEnd,
-    SeqFrames,
-    decode_payload,
-    split_live,
-    split_reply,
-)
+from bridge.frames import Rejected, RejectReason, decode_payload, split_live, split_reply
 from bridge.intake import Intake
 from bridge.logs import RateLimitedLog
 from bridge.metrics import KNOWN_EVENT_CLASSES, UNKNOWN_EVENT_TYPE, BridgeMetrics
@@ -60,7 +52,7 @@ from bridge.tracking import (
     Step,
 )
 from producer.events import DecodedBatch
-from producer.publisher import SNAPSHOT_REQUEST
+from producer.protocol import SNAPSHOT_REQUEST, ReplyEnd, SeqFrames, replay_request
 
 log = logging.getLogger(__name__)
 incidents = RateLimitedLog(log)
@@ -368,7 +360,7 @@ class WorkerChannel:
                 self._apply(self.relay.tracker.on_fetch_failed(fetch.fetch_id, cause))
                 return "failed"
             start = SNAPSHOT_REQUEST if fetch.kind is FetchKind.SNAPSHOT else fetch.start_seq
-            dealer.send_multipart([b"", start.to_bytes(8, "big")])  # queued until connected
+            dealer.send_multipart(replay_request(start))  # queued until connected
             timeout = self._settings.replay_timeout
             while fetch.fetch_id in self._fetches:
                 replies = await receive_ready(

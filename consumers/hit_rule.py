@@ -31,15 +31,15 @@ from typing import Literal
 
 import msgspec
 
-from producer.events import GroupSpec
+from producer.events import (
+    CHUNKED_LOCAL_KIND,
+    MAMBA_KIND,
+    SLIDING_WINDOW_KINDS,
+    UNCACHED_KINDS,
+    GroupSpec,
+)
 
 Rule = Literal["prefix", "window", "state", "chunk"]
-
-WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
-MAMBA_KIND = "mamba"
-CHUNKED_KIND = "chunked_local_attention"
-# vLLM keeps these out of prefix caching: they never decide a hit.
-UNCACHED_KINDS = frozenset({"encoder_only_attention", "cross_attention"})
 
 
 class GroupRule(msgspec.Struct, frozen=True, gc=False):
@@ -60,13 +60,13 @@ def rule_for(group_idx: int, spec: GroupSpec) -> GroupRule | None:
     """
     if spec.kind in UNCACHED_KINDS:
         return None
-    if spec.kind in WINDOW_KINDS and spec.sliding_window:
+    if spec.kind in SLIDING_WINDOW_KINDS and spec.sliding_window:
         # vLLM needs at least the block before the hit even for a window that fits in one token.
         needed = max(1, math.ceil((spec.sliding_window - 1) / spec.block_size))
         return GroupRule(group_idx, "window", spec.block_size, window_blocks=needed)
     if spec.kind == MAMBA_KIND:
         return GroupRule(group_idx, "state", spec.block_size)
-    if spec.kind == CHUNKED_KIND and spec.chunk_size:
+    if spec.kind == CHUNKED_LOCAL_KIND and spec.chunk_size:
         return GroupRule(group_idx, "chunk", spec.block_size, chunk_size=spec.chunk_size)
     return GroupRule(group_idx, "prefix", spec.block_size)
 

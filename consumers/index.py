@@ -43,7 +43,6 @@ import msgspec
 
 from bridge.records import HEALTH_STATES, EventRecord, Health
 from consumers.hit_rule import (
-    WINDOW_KINDS,
     Acceptance,
     Column,
     GroupRule,
@@ -52,7 +51,9 @@ from consumers.hit_rule import (
     rule_for,
 )
 from producer.events import (
+    FULL_ATTENTION_KINDS,
     MEDIUM_GPU,
+    SLIDING_WINDOW_KINDS,
     BlockRemoved,
     BlockStored,
     ExternalBlockHash,
@@ -64,7 +65,6 @@ from producer.hashing import external
 
 DEFAULT_HASH_BLOCK_SIZE = 16
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
-FULL_COPY_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 SNAPSHOT_FORMAT = 2
 ROSTER_SETS = 1024  # worker sets whose names a score call may reuse
 INITIAL_LANE_WIDTH = 8  # worker slots per group lane, doubled whenever the fleet outgrows it
@@ -551,14 +551,14 @@ class KVIndex:
         A window block removed while one of these is set leaves a full-attention copy behind.
         """
         spec = worker.groups.get(group)
-        if spec is None or spec.kind not in WINDOW_KINDS:
+        if spec is None or spec.kind not in SLIDING_WINDOW_KINDS:
             return 0
         return reduce(
             or_,
             (
                 worker.bit << lane * self._width
                 for other, other_spec in worker.groups.items()
-                if other_spec.kind in FULL_COPY_KINDS
+                if other_spec.kind in FULL_ATTENTION_KINDS
                 and (lane := self._lanes.get(other)) is not None
             ),
             0,

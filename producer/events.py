@@ -104,6 +104,21 @@ GROUP_KINDS = (
     "cross_attention",
     "unknown",
 )
+# The kind families, by the rule vLLM's prefix cache applies to each (its
+# ``single_type_kv_cache_manager.py``). ``unknown`` and any newer kind are in none of them.
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+"""A hit needs every block from the first (vLLM's SinkFullAttentionManager is a
+FullAttentionManager); a block removed from a sliding window may still be held here."""
+SLIDING_WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+"""A hit needs the blocks the window covers before its end."""
+CHUNKED_LOCAL_KIND = "chunked_local_attention"
+"""A hit needs the blocks of its last chunk."""
+MAMBA_KIND = "mamba"
+"""A hit needs the one state block at its end."""
+UNCACHED_KINDS = frozenset({"encoder_only_attention", "cross_attention"})
+"""vLLM keeps these out of prefix caching: they never decide a hit."""
+PREFIX_CACHED_KINDS = FULL_ATTENTION_KINDS | SLIDING_WINDOW_KINDS | {CHUNKED_LOCAL_KIND, MAMBA_KIND}
+"""Every kind whose rule is known."""
 
 
 class GroupSpec(msgspec.Struct, frozen=True, gc=False):

@@ -1,14 +1,10 @@
-"""vLLM's ZMQ KV-event publisher protocol, from a publisher that never blocks the engine thread.
+"""A drop-in for vLLM's ZMQ KV-event publisher that never blocks the engine thread.
 
-Wire protocol (vLLM's ``ZmqEventPublisher``, unchanged):
-
-* PUB socket, one message per batch: ``[topic (utf-8), seq (8 bytes, big-endian, unsigned),
-  payload (msgpack KVEventBatch)]``. ``seq`` counts from 0 per publisher, i.e. per engine life.
-* ROUTER replay socket (optional): a client (DEALER) sends ``[b"", start_seq (8 bytes BE)]`` and
-  gets ``[b"", topic, seq, payload]`` for every batch still in the replay ring with
-  ``seq >= start_seq``, in order, then the end marker ``[b"", b"", seq = -1 (8 bytes, signed BE),
-  b""]``. The ring keeps the last ``buffer_steps`` sequence numbers; a replay that asks for more
-  simply starts at the oldest kept seq, so the client sees the first replayed seq jump.
+The wire protocol is vLLM's, unchanged (``producer.protocol``): a PUB socket sends one message
+per batch, and an optional ROUTER replays the batches still in the replay ring from a requested
+seq, then sends the end marker. The ring keeps the last ``buffer_steps`` sequence numbers; a
+replay that asks for more simply starts at the oldest kept seq, so the client sees the first
+replayed seq jump.
 
 What this publisher adds, all of it invisible to a client written for vLLM:
 
@@ -60,16 +56,18 @@ import msgspec
 import zmq
 
 from producer.events import AllBlocksCleared, KVEvent, KVEventBatch
+from producer.protocol import (
+    END_MARKER,
+    SNAPSHOT_REQUEST,
+    Malformed,
+    encode_seq,
+    offset_endpoint_port,
+    parse_replay_request,
+    should_bind,
+)
 
 logger = logging.getLogger(__name__)
 
-SNAPSHOT_REQUEST = 2**64 - 1
-"""start_seq of a replay request that asks for a snapshot instead of buffered batches."""
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-"""seq frame of the end marker that closes every replay reply."""
-
-_END_FRAMES = (b"", END_SEQ, b"")
 _DOZE_AFTER_S = 0.05  # idle this long, the publisher thread polls every _DOZE_MS instead
 _DOZE_MS = 100
 _LIVE_CHUNK = 64  # live batches per loop turn, so replay requests are read between chunks
@@ -117,32 +115,6 @@ class PublisherStats:
     """Snapshot requests answered with the end marker alone."""
 
 
-def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
-    """Give each DP rank its own endpoint the way vLLM does, so clients find ranks where they look.
-
-    tcp: port + rank; inproc: ``_dp<rank>`` suffix; rank 0 and ``None`` unchanged; any other
-    transport with a rank above 0 is rejected, as vLLM rejects it.
-    """
-    if not endpoint or data_parallel_rank == 0:
-        return endpoint
-    if "inproc" in endpoint:
-        return f"{endpoint}_dp{data_parallel_rank}"
-    if "tcp" not in endpoint:
-        raise ValueError(f"cannot offset {endpoint!r} by DP rank: use tcp:// or inproc://")
-    host, _, port = endpoint.rpartition(":")
-    return f"{host}:{int(port) + data_parallel_rank}"
-
-
-def _should_bind(endpoint: str) -> bool:
-    """vLLM's convention: stable endpoints (wildcards, ipc, inproc) bind, host addresses connect."""
-    return (
-        "*" in endpoint
-        or "::" in endpoint
-        or endpoint.startswith("ipc://")
-        or endpoint.startswith("inproc://")
-    )
-
-
 class _Handoff:
     """What the engine thread and the publisher thread share. No lock: the GIL makes each deque
     operation and attribute write atomic. Live batches are picked up by polling; only the rare
@@ -180,7 +152,7 @@ class _ReplyStream:
     ) -> None:
         self.identity = identity
         self.kind = kind
-        self.frames = itertools.chain(frames, (_END_FRAMES,))
+        self.frames = itertools.chain(frames, (END_MARKER,))
         self.pending: tuple[bytes, ...] | None = None  # refused by a full pipe, sent next
         self.last_progress = now
 
@@ -212,7 +184,7 @@ class _Snapshot:
         data_parallel_rank: int,
         encode: Callable[[Any], bytes],
     ) -> None:
-        self._seq_frame = seq.to_bytes(8, "big")
+        self._seq_frame = encode_seq(seq)
         self._events: list[KVEvent] = [AllBlocksCleared(), *events]
         self._chunk_events = chunk_events
         self._topic = topic
@@ -336,6 +308,7 @@ class _PublisherLoop:
         high-water mark it drops, as vLLM's does."""
         queue, ring, stats = self._handoff.queue, self._ring, self.stats
         encode_into, send, topic = self._encoder.encode_into, self._pub.send, self._topic
+        seq_frame = encode_seq
         for _ in range(min(_LIVE_CHUNK, len(queue))):
             seq, batch = queue.popleft()
             if seq != ring.end:
@@ -350,7 +323,7 @@ class _PublisherLoop:
                 logger.exception("KV-event batch seq %d cannot be encoded; it becomes a gap", seq)
                 continue
             send(topic, zmq.SNDMORE)
-            send(seq.to_bytes(8, "big"), zmq.SNDMORE)
+            send(seq_frame(seq), zmq.SNDMORE)
             send(payload)
             stats.sent += 1
 
@@ -398,9 +371,10 @@ class _PublisherLoop:
             if self._handoff.abort or not router.poll(0, zmq.POLLIN):
                 return
             frames = router.recv_multipart(zmq.NOBLOCK)
-            if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
+            start_seq = parse_replay_request(frames[1:])  # after the client's identity
+            if isinstance(start_seq, Malformed):
                 self.stats.replay_requests_invalid += 1
-                self._warn("invalid", "invalid replay request ignored: %d frames", len(frames))
+                self._warn("invalid", "invalid replay request ignored: %s", start_seq.detail)
                 continue
             if len(self._streams) + len(self._snapshot_waiters) >= self._settings.max_replies:
                 # Unanswered, as a ROUTER past its high-water mark leaves it: the client's
@@ -409,8 +383,7 @@ class _PublisherLoop:
                 limit = self._settings.max_replies
                 self._warn("refused", "replay request ignored: %d replies in progress", limit)
                 continue
-            identity, _, start = frames
-            start_seq = int.from_bytes(start, "big")
+            identity = frames[0]
             if start_seq == SNAPSHOT_REQUEST:
                 self._request_snapshot(identity, now)
             else:
@@ -427,7 +400,7 @@ class _PublisherLoop:
                 return
             payload = self._ring.payload(seq)
             if payload is not None:
-                yield (self._topic, seq.to_bytes(8, "big"), payload)
+                yield (self._topic, encode_seq(seq), payload)
             seq += 1
 
     def _request_snapshot(self, identity: bytes, now: float) -> None:
@@ -493,7 +466,7 @@ class _PublisherLoop:
                 raise
             stream.pending = None
             stream.last_progress = now
-            if frames is _END_FRAMES:
+            if frames is END_MARKER:
                 return _StreamState.DONE
             self._count_batch_sent(stream.kind)
         return _StreamState.MORE
@@ -741,7 +714,7 @@ class ZmqEventPublisher:
             pub = self._ctx.socket(zmq.PUB)
             opened.append(pub)
             pub.set_hwm(hwm)
-            if _should_bind(self.endpoint):
+            if should_bind(self.endpoint):
                 pub.bind(self.endpoint)
             else:
                 pub.connect(self.endpoint)

@@ -22,6 +22,7 @@ import zmq
 
 from hmakv.cli import main
 from producer.events import BlockRemoved, BlockStored, KVEventBatch, encode
+from producer.protocol import live_frames
 
 DATA = Path(__file__).parent / "data"
 WIRE_VECTORS = [json.loads(line) for line in (DATA / "vllm-wire.jsonl").read_text().splitlines()]
@@ -243,7 +244,7 @@ def test_installed_command_stops_quietly_when_its_reader_goes_away(tmp_path: Pat
 
 
 def _vllm_message(seq: int, payload: bytes, topic: bytes = b"kv-events") -> Message:
-    return [topic, seq.to_bytes(8, "big"), payload]
+    return live_frames(topic, seq, payload)
 
 
 def _vector_message(seq: int) -> Message:

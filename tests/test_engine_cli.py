@@ -19,6 +19,7 @@ import zmq
 from hmakv.cli import build_parser, main
 from hmakv.kafka.process import free_port
 from producer.events import decode
+from producer.protocol import decode_seq
 
 HMAKV = Path(sys.executable).with_name("hmakv")
 WAIT_S = 20.0  # bound on every wait; no test sleeps for a fixed time
@@ -45,7 +46,7 @@ def receive_seqs(sub: zmq.Socket[bytes], count: int) -> list[int]:
         if sub.poll(50):
             _, seq, payload = sub.recv_multipart()
             decode(payload)
-            seqs.append(int.from_bytes(seq, "big"))
+            seqs.append(decode_seq(seq))
     return seqs
 
 

@@ -23,12 +23,8 @@ from producer.events import (
     KVEvent,
     KVEventBatch,
 )
-from producer.publisher import (
-    END_SEQ,
-    SNAPSHOT_REQUEST,
-    ZmqEventPublisher,
-    offset_endpoint_port,
-)
+from producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq, replay_request
+from producer.publisher import ZmqEventPublisher
 
 WAIT_MS = 5000  # bound on every wait for a message; tests never sleep for a fixed time
 TOPIC = "kv-events"
@@ -87,7 +83,7 @@ def receive(sock: zmq.Socket[bytes]) -> list[bytes]:
 def receive_live(sub: zmq.Socket[bytes]) -> tuple[int, KVEventBatch]:
     topic, seq, payload = receive(sub)
     assert topic == TOPIC.encode()
-    return int.from_bytes(seq, "big"), decode(payload)
+    return decode_seq(seq), decode(payload)
 
 
 def probe() -> KVEventBatch:
@@ -118,7 +114,7 @@ def join_live_stream(publisher: ZmqEventPublisher, sub: zmq.Socket[bytes]) -> in
 
 def request_replay(dealer: zmq.Socket[bytes], start_seq: int) -> list[tuple[int, KVEventBatch]]:
     """Send a replay request the vLLM way and collect the reply up to the end marker."""
-    dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+    dealer.send_multipart(replay_request(start_seq))
     return read_reply(dealer)
 
 
@@ -127,11 +123,11 @@ def read_reply(dealer: zmq.Socket[bytes]) -> list[tuple[int, KVEventBatch]]:
     while True:
         empty, topic, seq, payload = receive(dealer)
         assert empty == b""
-        if seq == END_SEQ:
+        if seq == END_SEQ_FRAME:
             assert (topic, payload) == (b"", b"")
             return reply
         assert topic == TOPIC.encode()
-        reply.append((int.from_bytes(seq, "big"), decode(payload)))
+        reply.append((decode_seq(seq), decode(payload)))
 
 
 def publisher(endpoints: tuple[str, str], **options: Any) -> ZmqEventPublisher:
@@ -293,14 +289,6 @@ def test_a_taken_replay_port_fails_the_constructor(
         assert pub.replay_endpoint is None
 
 
-def test_endpoint_offsets_follow_vllm() -> None:
-    assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
-    assert offset_endpoint_port("tcp://10.0.0.1:5557", 3) == "tcp://10.0.0.1:5560"
-    assert offset_endpoint_port(None, 3) is None
-    with pytest.raises(ValueError):
-        offset_endpoint_port("ipc:///tmp/kv", 1)
-
-
 def test_publisher_connects_to_a_subscriber_that_binds(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
@@ -403,7 +391,7 @@ def test_replay_client_that_never_reads_cannot_stall_live_publishing(
         stuck.setsockopt(zmq.RCVHWM, 1)
         stuck.setsockopt(zmq.RCVBUF, 4096)
         stuck.connect(pub.replay_endpoint or "")
-        stuck.send_multipart([b"", (0).to_bytes(8, "big")])
+        stuck.send_multipart(replay_request(0))
 
         wait_until(lambda: pub.stats().replay_requests == 1, "the replay started")
         for block_hash in range(50):
@@ -430,8 +418,8 @@ def test_requests_past_max_replies_are_ignored_and_counted_until_a_reply_ends(
         flood.setsockopt(zmq.RCVBUF, 4096)
         flood.connect(pub.replay_endpoint or "")
         for _ in range(3):
-            flood.send_multipart([b"", (0).to_bytes(8, "big")])
-        flood.send_multipart([b"", SNAPSHOT_REQUEST.to_bytes(8, "big")])
+            flood.send_multipart(replay_request(0))
+        flood.send_multipart(replay_request(SNAPSHOT_REQUEST))
         wait_until(lambda: pub.stats().replay_requests_refused == 2, "two requests ignored")
         assert (pub.stats().replay_requests, pub.stats().snapshot_requests) == (2, 0)
         wait_until(lambda: pub.stats().replays_abandoned == 2, "the stuck replies abandoned")
@@ -478,7 +466,7 @@ def test_a_flood_of_replay_requests_holds_up_neither_live_batches_nor_shutdown(
     pub = publisher(endpoints, max_replies=1, shutdown_timeout=0.5)
     sub = subscriber(ctx, local(pub.endpoint))
     last = join_live_stream(pub, sub)
-    flood = RequestFlood(pub.replay_endpoint or "", [b"", (0).to_bytes(8, "big")])
+    flood = RequestFlood(pub.replay_endpoint or "", replay_request(0))
     try:
         wait_until(lambda: pub.stats().replay_requests_refused > 1000, "the flood is read")
         for block_hash in range(10):
@@ -507,7 +495,7 @@ def test_reply_held_up_while_the_ring_turns_still_sends_each_seqs_own_payload(
         slow.setsockopt(zmq.RCVHWM, 1)
         slow.setsockopt(zmq.RCVBUF, 4096)
         slow.connect(pub.replay_endpoint or "")
-        slow.send_multipart([b"", (1).to_bytes(8, "big")])
+        slow.send_multipart(replay_request(1))
         wait_until(lambda: pub.stats().replay_batches_sent > 0, "the replay has started")
         for block_hash in range(50, 100):
             pub.publish(big_batch(block_hash, 10))
@@ -530,7 +518,7 @@ def test_replay_to_a_client_that_disconnects_is_abandoned_at_once(
         leaving = ctx.socket(zmq.DEALER)
         leaving.setsockopt(zmq.RCVHWM, 1)
         leaving.connect(pub.replay_endpoint or "")
-        leaving.send_multipart([b"", (0).to_bytes(8, "big")])
+        leaving.send_multipart(replay_request(0))
         receive(leaving)
         leaving.close(linger=0)
         wait_until(lambda: pub.stats().replays_abandoned == 1, "the reply is abandoned")
@@ -585,7 +573,7 @@ def request_snapshot(
     dealer: zmq.Socket[bytes], engine_step: Callable[[], None]
 ) -> list[tuple[int, KVEventBatch]]:
     """Ask for a snapshot, running engine steps until the reply starts, as a live engine would."""
-    dealer.send_multipart([b"", SNAPSHOT_REQUEST.to_bytes(8, "big")])
+    dealer.send_multipart(replay_request(SNAPSHOT_REQUEST))
     deadline = time.monotonic() + WAIT_MS / 1000
     while not dealer.poll(5):
         assert time.monotonic() < deadline, "no snapshot reply"
@@ -685,7 +673,7 @@ def test_a_snapshot_that_cannot_be_encoded_is_abandoned_and_live_batches_go_on(
         sub = subscriber(ctx, local(pub.endpoint))
         last = join_live_stream(pub, sub)
         dealer = replay_client(ctx, pub.replay_endpoint or "")
-        dealer.send_multipart([b"", SNAPSHOT_REQUEST.to_bytes(8, "big")])
+        dealer.send_multipart(replay_request(SNAPSHOT_REQUEST))
         wait_until(lambda: pub.stats().snapshot_requests == 1, "the request is read")
         pub.service_snapshot_requests()
         wait_until(lambda: pub.stats().replays_abandoned == 1, "the reply is abandoned")

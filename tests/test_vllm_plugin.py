@@ -1,8 +1,8 @@
 """The vLLM general plugin, against vLLM's documented publisher interface, without vLLM.
 
 Real vLLM runs the plugin in tests/vllm (seconds to start, gigabytes to install); these fast
-tests fake ``vllm.distributed.kv_events`` instead: an ``EventPublisherFactory`` that behaves like vLLM's
-(a ``_registry`` holding "null" and "zmq", ``register_publisher`` refusing an existing name,
+tests fake ``vllm.distributed.kv_events`` instead: an ``EventPublisherFactory`` that behaves like
+vLLM's (a ``_registry`` holding "null" and "zmq", ``register_publisher`` refusing an existing name,
 ``create`` passing ``asdict(config)`` minus ``publisher`` and ``enable_kv_cache_events`` as
 keywords), a ``KVEventsConfig`` dataclass with vLLM's fields, and msgspec event structs shaped
 like vLLM's (array-like batch, events tagged with their class name and encoded as maps). The
@@ -27,6 +27,7 @@ import zmq
 from hmakv.kafka.process import free_port
 from producer import events as hmakv_events
 from producer import vllm_plugin
+from producer.protocol import decode_seq
 from producer.publisher import ZmqEventPublisher
 
 WAIT_S = 10.0
@@ -274,7 +275,7 @@ def wait_for_subscription(publisher: ZmqEventPublisher, sub: zmq.Socket[bytes]) 
     last_probe = publisher.stats().published - 1
     while True:  # drain the probes, up to the last: none arrives after the test's batches
         assert sub.poll(int(WAIT_S * 1000)), "a probe published after the subscription was lost"
-        if int.from_bytes(sub.recv_multipart()[1], "big") == last_probe:
+        if decode_seq(sub.recv_multipart()[1]) == last_probe:
             return last_probe + 1
 
 
@@ -304,9 +305,7 @@ def test_vllm_batches_published_through_the_plugin_decode_to_the_same_events(
         publisher.shutdown()
 
     assert [topic for topic, _, _ in frames] == [b"kv-events"] * 5
-    assert [int.from_bytes(seq, "big") for _, seq, _ in frames] == list(
-        range(first_seq, first_seq + 5)
-    )
+    assert [decode_seq(seq) for _, seq, _ in frames] == list(range(first_seq, first_seq + 5))
     for (_, _, payload), batch in zip(frames, sent, strict=True):
         decoded = hmakv_events.decode(payload)
         assert decoded.unknown_event_types == []

@@ -22,14 +22,11 @@ from producer.events import (
     WireDecodeError,
     decode,
 )
+from producer.protocol import Malformed, parse_live
 
 EXIT_OK = 0
 EXIT_RUNTIME_FAILURE = 1
 EXIT_BAD_INPUT = 2
-
-# vLLM's publisher: [topic, seq as 8 bytes big-endian, payload].
-_FRAMES_PER_MESSAGE = 3
-_SEQ_BYTES = 8
 
 _DESCRIPTION = """\
 Decode vLLM KV-cache event batches (msgpack, any vLLM generation) and print one JSON object per
@@ -229,17 +226,14 @@ def _print_messages(
 
 def _print_message(frames: list[bytes], max_bytes: int) -> str | None:
     """Print one vLLM message as JSON; return why it is malformed instead, if it is."""
-    if len(frames) != _FRAMES_PER_MESSAGE:
-        return f"{len(frames)} frames, expected 3 (topic, seq, payload)"
-    _topic, seq_frame, payload = frames
-    if len(seq_frame) != _SEQ_BYTES:
-        return f"seq frame of {len(seq_frame)} bytes, expected {_SEQ_BYTES}"
-    seq = int.from_bytes(seq_frame, "big")
+    message = parse_live(frames)
+    if isinstance(message, Malformed):
+        return message.detail
     try:
-        decoded = decode(payload, max_bytes=max_bytes)
+        decoded = decode(message.payload, max_bytes=max_bytes)
     except WireDecodeError as error:
-        return f"seq {seq}: {error}"
-    _print_batch(decoded, seq=seq)
+        return f"seq {message.seq}: {error}"
+    _print_batch(decoded, seq=message.seq)
     return None
 
 

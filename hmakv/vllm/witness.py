@@ -34,9 +34,8 @@ from producer.events import (
     decode,
     has_group_sizes,
 )
+from producer.protocol import Malformed, ReplyEnd, parse_live, parse_reply, replay_request
 
-SEQ_BYTES = 8
-END_SEQ = -1
 REPLAY_TIMEOUT_S = 5.0
 ALL_GROUPS = -1
 """In ``Published.groups``: the batch cleared the cache, which reaches every group."""
@@ -170,11 +169,11 @@ class EventWitness:
 
     async def _receive(self) -> None:
         while True:
-            frames = await self._sub.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+            message = parse_live(await self._sub.recv_multipart())
+            if isinstance(message, Malformed):
                 self.state.undecodable += 1
                 continue
-            self.state.add(int.from_bytes(frames[1], "big"), frames[2])
+            self.state.add(message.seq, message.payload)
             self._last_arrival = time.monotonic()
 
     async def settle(self, quiet_s: float = 0.05, timeout_s: float = 5.0) -> int:
@@ -202,12 +201,15 @@ class EventWitness:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self._replay_endpoint)
         try:
-            await dealer.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big")])
+            await dealer.send_multipart(replay_request(start))
             while True:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
-                seq_frame, payload = frames[-2], frames[-1]  # with or without the topic frame
-                if int.from_bytes(seq_frame, "big", signed=True) == END_SEQ:
+                reply = parse_reply(frames)  # with or without the topic frame
+                if isinstance(reply, ReplyEnd):
                     return
-                self.state.add(int.from_bytes(seq_frame, "big"), payload)
+                if isinstance(reply, Malformed):
+                    self.state.undecodable += 1
+                    continue
+                self.state.add(reply.seq, reply.payload)
         finally:
             dealer.close()

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from producer.engine.block_pool import BlockPool, CachedContent, HashEncoder, KVBlock
 from producer.engine.group_managers import GroupBlockManager, make_group_manager
 from producer.engine.hit_rule import (
-    MAMBA_KIND,
     alignment_tokens,
     find_longest_cache_hit,
     hash_block_size,
@@ -24,7 +23,7 @@ from producer.engine.hit_rule import (
 )
 from producer.engine.profiles import ModelProfile
 from producer.engine.request import EngineRequest
-from producer.events import MEDIUM_GPU, BlockStored, KVEventBatch
+from producer.events import MAMBA_KIND, MEDIUM_GPU, BlockStored, KVEventBatch
 from producer.hashing import BlockHasher, external, group_block_hashes
 from producer.recorder import EventRecorder
 

@@ -11,14 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from producer.engine.block_pool import BlockPool, CacheKey, KVBlock, RequestBlocks
-from producer.engine.hit_rule import (
-    CHUNKED_LOCAL_KIND,
-    MAMBA_KIND,
-    SLIDING_WINDOW_KINDS,
-    is_reachable_block,
-)
+from producer.engine.hit_rule import is_reachable_block
 from producer.engine.request import EngineRequest
-from producer.events import GroupSpec
+from producer.events import CHUNKED_LOCAL_KIND, MAMBA_KIND, SLIDING_WINDOW_KINDS, GroupSpec
 from producer.hashing import group_block_hashes
 
 

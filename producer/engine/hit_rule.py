@@ -24,17 +24,17 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from producer.events import GroupSpec
+from producer.events import (
+    CHUNKED_LOCAL_KIND,
+    FULL_ATTENTION_KINDS,
+    MAMBA_KIND,
+    PREFIX_CACHED_KINDS,
+    SLIDING_WINDOW_KINDS,
+    GroupSpec,
+)
 from producer.hashing import group_block_hashes
 
 H = TypeVar("H", bound=Hashable)
-
-# sink_full_attention: vLLM's SinkFullAttentionManager is a FullAttentionManager.
-FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
-SLIDING_WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
-CHUNKED_LOCAL_KIND = "chunked_local_attention"
-MAMBA_KIND = "mamba"
-PREFIX_CACHED_KINDS = FULL_ATTENTION_KINDS | SLIDING_WINDOW_KINDS | {CHUNKED_LOCAL_KIND, MAMBA_KIND}
 
 
 class UnsupportedGroup(ValueError):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from producer.engine.hit_rule import FULL_ATTENTION_KINDS, MAMBA_KIND, check_group
+from producer.engine.hit_rule import check_group
 from producer.engine.paged_attention import (
     AttentionIndex,
     GroupIndex,
@@ -40,7 +40,7 @@ from producer.engine.paged_attention import (
     write_kv,
 )
 from producer.engine.profiles import ModelProfile
-from producer.events import GroupSpec
+from producer.events import FULL_ATTENTION_KINDS, MAMBA_KIND, GroupSpec
 
 MAX_EMBED_ROWS = 4096
 ROPE_BASE = 10_000.0

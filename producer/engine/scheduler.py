@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from producer.engine.cache_manager import HybridCacheManager
-from producer.engine.hit_rule import FULL_ATTENTION_KINDS
 from producer.engine.profiles import ModelProfile
-from producer.events import KVEventBatch
+from producer.events import FULL_ATTENTION_KINDS, KVEventBatch
 
 
 @dataclass(frozen=True)

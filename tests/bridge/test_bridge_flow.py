@@ -31,6 +31,7 @@ from bridge_harness import (
 from bridge.config import EngineConfig
 from bridge.records import EventRecord, encode, event_key
 from producer.events import AllBlocksCleared, BlockRemoved, BlockStored
+from producer.protocol import decode_seq
 
 pytestmark = pytest.mark.kafka
 
@@ -59,7 +60,7 @@ class LossyRelay:
                 if not sub.poll(10):
                     continue
                 frames = sub.recv_multipart()
-                seq = int.from_bytes(frames[1], "big")
+                seq = decode_seq(frames[1])
                 if seq in self._drop:
                     self.dropped.append(seq)
                 else:

@@ -33,6 +33,7 @@ import bridge.service as bridge_service
 from bridge.config import EngineConfig
 from bridge.records import EventRecord
 from producer.events import AllBlocksCleared, BlockRemoved, encode
+from producer.protocol import encode_seq
 from producer.publisher import ZmqEventPublisher
 
 pytestmark = pytest.mark.kafka
@@ -70,7 +71,7 @@ class RawPublisher:
 
 
 def seq(number: int) -> bytes:
-    return number.to_bytes(8, "big")
+    return encode_seq(number)
 
 
 def retired(log: KafkaLog) -> list[str]:

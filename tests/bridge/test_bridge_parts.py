@@ -24,8 +24,6 @@ from bridge.config import (
 from bridge.frames import (
     Rejected,
     RejectReason,
-    ReplyEnd,
-    SeqFrames,
     decode_payload,
     llmd_pod,
     split_live,
@@ -47,7 +45,7 @@ from bridge.tracking import (
 )
 from consumers.index import KVIndex
 from producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch, encode
-from producer.publisher import END_SEQ
+from producer.protocol import END_SEQ_FRAME, ReplyEnd, SeqFrames, encode_seq
 
 # --- configuration -------------------------------------------------------------------------------
 
@@ -209,8 +207,8 @@ def test_bad_shards_say_what_is_wrong(text: str) -> None:
 PAYLOAD = encode(KVEventBatch(1.0, [AllBlocksCleared()], 0))
 
 
-def seq(number: int, *, signed: bool = False) -> bytes:
-    return number.to_bytes(8, "big", signed=signed)
+def seq(number: int) -> bytes:
+    return encode_seq(number)
 
 
 def test_live_frames() -> None:
@@ -232,8 +230,8 @@ def test_live_frames() -> None:
 def test_reply_frames_with_and_without_the_topic_frame() -> None:
     assert split_reply([b"", b"kv", seq(7), PAYLOAD]) == SeqFrames(b"kv", 7, PAYLOAD)
     assert split_reply([b"", seq(7), PAYLOAD]) == SeqFrames(b"", 7, PAYLOAD)  # before #45177
-    assert split_reply([b"", b"", END_SEQ, b""]) == ReplyEnd()
-    assert split_reply([b"", END_SEQ, b""]) == ReplyEnd()
+    assert split_reply([b"", b"", END_SEQ_FRAME, b""]) == ReplyEnd()
+    assert split_reply([b"", END_SEQ_FRAME, b""]) == ReplyEnd()
     for frames in ([b"x", seq(1), PAYLOAD], [b"", b"kv", b"\x01", PAYLOAD], [b""]):
         assert isinstance(split_reply(frames), Rejected)
 

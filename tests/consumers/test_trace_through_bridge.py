@@ -22,10 +22,10 @@ from bridge.records import Topics
 from bridge.service import BridgeService, BridgeSettings
 from consumers.service import IndexService, ServiceConfig
 from hmakv.kafka import unique_topic
+from producer.protocol import END_MARKER, live_frames, parse_replay_request, reply_frames
 
 WORKER = "vllm-0"
 ZMQ_TOPIC = b"kv-events"
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class VllmPublisher:
@@ -60,17 +60,18 @@ class VllmPublisher:
     async def publish(self, batches: list[Batch]) -> None:
         for batch in batches:
             self._sent.append(batch)
-            await self._pub.send_multipart([ZMQ_TOPIC, batch.seq.to_bytes(8, "big"), batch.payload])
+            await self._pub.send_multipart(live_frames(ZMQ_TOPIC, batch.seq, batch.payload))
 
     async def _serve_replays(self) -> None:
         while True:
-            client, _, start = await self._router.recv_multipart()
-            start_seq = int.from_bytes(start, "big")
+            client, *request = await self._router.recv_multipart()
+            start_seq = parse_replay_request(request)
+            assert isinstance(start_seq, int), start_seq
             for batch in self._sent:
                 if batch.seq >= start_seq:
-                    seq = batch.seq.to_bytes(8, "big")
-                    await self._router.send_multipart([client, b"", ZMQ_TOPIC, seq, batch.payload])
-            await self._router.send_multipart([client, b"", b"", END_SEQ, b""])
+                    reply = reply_frames(ZMQ_TOPIC, batch.seq, batch.payload)
+                    await self._router.send_multipart([client, *reply])
+            await self._router.send_multipart([client, b"", *END_MARKER])
 
     async def close(self) -> None:
         if self._replays is not None:

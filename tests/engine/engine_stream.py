@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 import zmq
 
 from producer.events import ExternalBlockHash, KVEvent, KVEventBatch, decode
-from producer.publisher import END_SEQ, SNAPSHOT_REQUEST
+from producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq, replay_request
 
 WAIT_S = 20.0  # bound on every wait; tests never sleep for a fixed time
 
@@ -45,7 +45,7 @@ class Subscriber:
             if self.socket.poll(50):
                 topic, seq, payload = self.socket.recv_multipart()
                 self.topics.add(topic)
-                self.payloads[int.from_bytes(seq, "big")] = payload
+                self.payloads[decode_seq(seq)] = payload
 
     @property
     def last_seq(self) -> int:
@@ -59,14 +59,14 @@ def _dealer_request(
     with ctx.socket(zmq.DEALER) as dealer:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(endpoint)
-        dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        dealer.send_multipart(replay_request(start_seq))
         replies: list[tuple[int, bytes]] = []
         while True:
             assert dealer.poll(int(WAIT_S * 1000)), "no reply from the replay endpoint"
             _, _, seq, payload = dealer.recv_multipart()
-            if seq == END_SEQ:
+            if seq == END_SEQ_FRAME:
                 return replies
-            replies.append((int.from_bytes(seq, "big"), payload))
+            replies.append((decode_seq(seq), payload))
 
 
 def replay(

@@ -15,7 +15,6 @@ import torch
 
 from producer.engine.cache_manager import HybridCacheManager
 from producer.engine.hit_rule import (
-    MAMBA_KIND,
     UnsupportedGroup,
     alignment_tokens,
     required_blocks,
@@ -30,7 +29,7 @@ from producer.engine.model import (
 )
 from producer.engine.paged_attention import NULL_BLOCK, BlockTableError, visible_mask
 from producer.engine.profiles import ModelDims, ModelProfile, get_profile
-from producer.events import GroupSpec
+from producer.events import MAMBA_KIND, GroupSpec
 from producer.recorder import EventRecorder
 
 FULL = GroupSpec(kind="full_attention", block_size=4)

@@ -41,7 +41,7 @@ from hmakv.vllm.witness import ALL_GROUPS
 from hmakv.vllm.workload import VllmPrompts
 from producer.events import AllBlocksCleared, BlockStored, ExternalBlockHash, KVEvent, decode
 from producer.hashing import BlockHasher, external
-from producer.publisher import END_SEQ, SNAPSHOT_REQUEST
+from producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq, replay_request
 
 pytestmark = [pytest.mark.kafka, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -276,7 +276,7 @@ def snapshot_during_a_request(server: Server) -> tuple[int, list[KVEvent]]:
     urllib.request.urlopen(request, timeout=60).read()
     asking.join(timeout=60)
     assert replies, "no snapshot offered"
-    seqs = {int.from_bytes(frames[-2], "big") for frames in replies}
+    seqs = {decode_seq(frames[-2]) for frames in replies}
     assert len(seqs) == 1  # every chunk of one snapshot carries its seq
     events = [event for frames in replies for event in decode(frames[-1]).batch.events]
     return seqs.pop(), events
@@ -290,9 +290,9 @@ def snapshot_frames(replay: str) -> list[list[bytes]]:
     dealer.setsockopt(zmq.RCVTIMEO, 30_000)
     dealer.connect(replay)
     try:
-        dealer.send_multipart([b"", SNAPSHOT_REQUEST.to_bytes(8, "big")])
+        dealer.send_multipart(replay_request(SNAPSHOT_REQUEST))
         replies = []
-        while (frames := dealer.recv_multipart())[-2] != END_SEQ:
+        while (frames := dealer.recv_multipart())[-2] != END_SEQ_FRAME:
             replies.append(frames)
         return replies
     finally:
