@@ -60,18 +60,18 @@ from aiokafka.partitioner import DefaultPartitioner
 # the bridge package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from bridge import records  # noqa: E402
 from bridge.fanout import fan_out  # noqa: E402
-from bridge.kafka_client import (  # noqa: E402
+from bridge.readable import take_ready  # noqa: E402
+from hmakv.kafka import ApacheKafkaBroker, unique_topic  # noqa: E402
+from hmakv.kafka.process import free_port  # noqa: E402
+from kvlog import records  # noqa: E402
+from kvlog.kafka_client import (  # noqa: E402
     TopicSpec,
     create_consumer,
     ensure_topics,
     start_producer,
 )
-from bridge.readable import take_ready  # noqa: E402
-from bridge.records import Topics  # noqa: E402
-from hmakv.kafka import ApacheKafkaBroker, unique_topic  # noqa: E402
-from hmakv.kafka.process import free_port  # noqa: E402
+from kvlog.records import Topics  # noqa: E402
 from producer.events import BlockRemoved, BlockStored, KVEventBatch, decode  # noqa: E402
 from producer.protocol import decode_seq, encode_seq  # noqa: E402
 from producer.publisher import ZmqEventPublisher  # noqa: E402

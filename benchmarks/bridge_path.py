@@ -37,14 +37,12 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-from bridge import records  # noqa: E402
 from bridge.board import WorkerBoard  # noqa: E402
 from bridge.catalog import GroupCatalog  # noqa: E402
 from bridge.config import WorkerAddress  # noqa: E402
 from bridge.fanout import fan_out  # noqa: E402
 from bridge.intake import DEFAULT_ROUND_LIMIT, Intake  # noqa: E402
 from bridge.metrics import BridgeMetrics  # noqa: E402
-from bridge.records import Topics  # noqa: E402
 from bridge.relay import WorkerRelay  # noqa: E402
 from bridge.sink import KafkaSink  # noqa: E402
 from bridge.source import (  # noqa: E402
@@ -56,6 +54,8 @@ from bridge.source import (  # noqa: E402
 )
 from bridge.tracking import SequenceTracker  # noqa: E402
 from hmakv.commands.bridge import tune_garbage_collector  # noqa: E402
+from kvlog import records  # noqa: E402
+from kvlog.records import Topics  # noqa: E402
 from producer.events import KVEventBatch, decode  # noqa: E402
 from producer.events import encode as encode_batch  # noqa: E402
 from producer.protocol import decode_seq, live_frames  # noqa: E402

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from bridge.records import RETIRED, Health, WorkerState
+from kvlog.records import RETIRED, Health, WorkerState
 from producer.events import GroupSpec
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from bridge.records import worker_id
+from kvlog.records import worker_id
 from producer.events import GROUP_KINDS, MAX_GROUP_IDX, GroupSpec
 from producer.protocol import offset_endpoint_port
 

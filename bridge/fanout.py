@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from bridge import records
-from bridge.records import EventRecord
+from kvlog import records
+from kvlog.records import EventRecord
 from producer.events import AllBlocksCleared, KVEvent, KVEventBatch
 
 # What a part's record costs beyond its events is measured on an empty one with a first_event no

@@ -11,7 +11,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from bridge.records import HEALTH_STATES, Health
+from kvlog.records import HEALTH_STATES, Health
 from producer.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 # The event types the bridge counts: the known ones by name, any other as "unknown" (bounded).

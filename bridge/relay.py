@@ -10,11 +10,9 @@ be written: the relay asks the tracker to count it as lost, which clears and deg
 
 from __future__ import annotations
 
-from bridge import records
 from bridge.catalog import GroupCatalog
 from bridge.fanout import clear_records, fan_out, split_to_fit
 from bridge.outbox import KafkaRecord, Outgoing
-from bridge.records import EventRecord, Topics
 from bridge.tracking import (
     CancelFetch,
     Clear,
@@ -24,6 +22,8 @@ from bridge.tracking import (
     SequenceTracker,
     Step,
 )
+from kvlog import records
+from kvlog.records import EventRecord, Topics
 from producer.events import AllBlocksCleared
 
 

@@ -25,15 +25,7 @@ from bridge.config import ConfigError, EngineConfig, WorkerAddress
 from bridge.frames import llmd_pod
 from bridge.health import Readiness, health_app, serve
 from bridge.intake import Intake
-from bridge.kafka_client import (
-    KafkaSecurity,
-    StartedProducer,
-    TopicSpec,
-    ensure_topics,
-    start_producer,
-)
 from bridge.metrics import BridgeMetrics
-from bridge.records import DEFAULT_TOPIC_PREFIX, RETIRED, Topics, WorkerState, worker_id
 from bridge.relay import WorkerRelay
 from bridge.resume import read_worker_states
 from bridge.sink import KafkaSink
@@ -47,6 +39,14 @@ from bridge.source import (
     WorkerChannel,
 )
 from bridge.tracking import DEFAULT_MAX_BUFFERED, ResumePoint, SequenceTracker
+from kvlog.kafka_client import (
+    KafkaSecurity,
+    StartedProducer,
+    TopicSpec,
+    ensure_topics,
+    start_producer,
+)
+from kvlog.records import DEFAULT_TOPIC_PREFIX, RETIRED, Topics, WorkerState, worker_id
 from producer.events import DEFAULT_MAX_PAYLOAD_BYTES
 from producer.protocol import offset_endpoint_port
 

@@ -52,11 +52,11 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.producer.message_accumulator import BatchBuilder
 
-from bridge import records
 from bridge.board import WorkerBoard
 from bridge.metrics import BridgeMetrics
 from bridge.outbox import KafkaRecord, Outgoing
-from bridge.records import DeadLetter, Topics, WorkerState
+from kvlog import records
+from kvlog.records import DeadLetter, Topics, WorkerState
 
 log = logging.getLogger(__name__)
 

@@ -32,10 +32,8 @@ from bridge.board import WorkerBoard, WorkerView
 from bridge.config import WorkerAddress
 from bridge.frames import Rejected, RejectReason, decode_payload, split_live, split_reply
 from bridge.intake import Intake
-from bridge.logs import RateLimitedLog
 from bridge.metrics import KNOWN_EVENT_CLASSES, UNKNOWN_EVENT_TYPE, BridgeMetrics
 from bridge.readable import Readable, take_ready
-from bridge.records import DeadLetter, WorkerState
 from bridge.relay import WorkerRelay
 from bridge.sink import KafkaSink
 from bridge.tracking import (
@@ -51,6 +49,8 @@ from bridge.tracking import (
     HealthChanged,
     Step,
 )
+from kvlog.logs import RateLimitedLog
+from kvlog.records import DeadLetter, WorkerState
 from producer.events import DecodedBatch
 from producer.protocol import SNAPSHOT_REQUEST, ReplyEnd, SeqFrames, replay_request
 

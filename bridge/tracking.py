@@ -39,7 +39,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from bridge.records import Health
+from kvlog.records import Health
 from producer.events import AllBlocksCleared, KVEventBatch
 
 # Live batches held per worker while a fetch runs: one that does not fit is fetched again by

@@ -20,10 +20,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from bridge.records import Health
 from consumers.follower import Follower
 from consumers.index import WorkerInfo, WorkerScore
 from consumers.metrics import SCORE_DURATION_BUCKETS, Buckets
+from kvlog.records import Health
 from producer.events import ExternalBlockHash, GroupSpec
 from producer.hashing import (
     HASH_FUNCTIONS,

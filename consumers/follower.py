@@ -42,24 +42,6 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
-from bridge.kafka_client import (
-    KafkaSecurity,
-    create_consumer,
-    topic_partitions,
-    wait_for_partitions,
-)
-from bridge.logs import RateLimitedLog
-from bridge.records import (
-    RETIRED,
-    EventRecord,
-    RecordDecodeError,
-    Topics,
-    WorkerState,
-    decode_event_record,
-    decode_worker_state,
-    event_key,
-    parse_event_key,
-)
 from consumers.index import DEFAULT_HASH_BLOCK_SIZE, ApplyOutcome, KVIndex
 from consumers.metrics import EVENT_AGE_BUCKETS, Buckets
 from consumers.snapshots import (
@@ -71,6 +53,24 @@ from consumers.snapshots import (
     check_follower_id,
     pack,
     unpack,
+)
+from kvlog.kafka_client import (
+    KafkaSecurity,
+    create_consumer,
+    topic_partitions,
+    wait_for_partitions,
+)
+from kvlog.logs import RateLimitedLog
+from kvlog.records import (
+    RETIRED,
+    EventRecord,
+    RecordDecodeError,
+    Topics,
+    WorkerState,
+    decode_event_record,
+    decode_worker_state,
+    event_key,
+    parse_event_key,
 )
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The HMA-aware KV-cache index: which worker holds which block, per cache group and medium.
 
-Pure data structure, no I/O: the follower applies Kafka records (``bridge.records.EventRecord``,
+Pure data structure, no I/O: the follower applies Kafka records (``kvlog.records.EventRecord``,
 one per worker, epoch, seq and group) to it; the score API and the exporter read it.
 
 Why it is shaped this way:
@@ -41,7 +41,6 @@ from typing import NamedTuple
 
 import msgspec
 
-from bridge.records import HEALTH_STATES, EventRecord, Health
 from consumers.hit_rule import (
     Acceptance,
     Column,
@@ -50,6 +49,7 @@ from consumers.hit_rule import (
     longest_hits,
     rule_for,
 )
+from kvlog.records import HEALTH_STATES, EventRecord, Health
 from producer.events import (
     FULL_ATTENTION_KINDS,
     MEDIUM_GPU,

@@ -25,7 +25,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from bridge.records import HEALTH_STATES
+from kvlog.records import HEALTH_STATES
 
 if TYPE_CHECKING:
     from consumers.api import ScoreStats

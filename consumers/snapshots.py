@@ -33,7 +33,7 @@ import msgspec
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
-from bridge.kafka_client import (
+from kvlog.kafka_client import (
     KafkaSecurity,
     StartedProducer,
     TopicSpec,
@@ -42,7 +42,7 @@ from bridge.kafka_client import (
     start_producer,
     topic_partitions,
 )
-from bridge.records import WorkerState
+from kvlog.records import WorkerState
 
 log = logging.getLogger(__name__)
 

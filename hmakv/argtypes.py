@@ -10,7 +10,7 @@ import argparse
 import math
 import os
 
-from bridge.records import DEFAULT_TOPIC_PREFIX
+from kvlog.records import DEFAULT_TOPIC_PREFIX
 
 
 def positive_int(text: str) -> int:

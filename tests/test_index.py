@@ -9,8 +9,8 @@ import msgspec
 import pytest
 from test_index_model import ReferenceIndex
 
-from bridge.records import EventRecord
 from consumers.index import ApplyOutcome, IndexCounters, KVIndex, WorkerScore
+from kvlog.records import EventRecord
 from producer.events import (
     AllBlocksCleared,
     BlockRemoved,

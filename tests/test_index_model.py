@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bridge.records import EventRecord
 from consumers.index import DEFAULT_TIER_WEIGHTS, ApplyOutcome
+from kvlog.records import EventRecord
 from producer.events import BlockRemoved, BlockStored, ExternalBlockHash, GroupSpec
 
 Finder = Callable[[int], int]

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from test_index_model import ReferenceIndex
 
 import consumers.index
-from bridge.records import EventRecord
 from consumers.index import KVIndex
+from kvlog.records import EventRecord
 from producer.events import (
     AllBlocksCleared,
     BlockRemoved,

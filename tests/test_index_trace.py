@@ -21,8 +21,8 @@ import msgspec
 import pytest
 from test_index_model import ReferenceIndex
 
-from bridge.records import EventRecord
 from consumers.index import KVIndex
+from kvlog.records import EventRecord
 from producer.events import (
     AllBlocksCleared,
     BlockStored,

@@ -8,9 +8,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bridge import records
 from bridge.catalog import GroupCatalog
-from bridge.records import DeadLetter, EventRecord, RecordDecodeError, Topics, WorkerState
+from kvlog import records
+from kvlog.records import DeadLetter, EventRecord, RecordDecodeError, Topics, WorkerState
 from producer import events
 from producer.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
 

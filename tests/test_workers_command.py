@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from bridge.kafka_client import TopicSpec, ensure_topics, start_producer
-from bridge.records import EventRecord, Topics, WorkerState, encode, event_key
 from bridge.resume import read_worker_states
 from consumers.follower import Follower, FollowerConfig
 from hmakv.cli import main
 from hmakv.kafka import unique_topic
 from hmakv.kafka.process import free_port
+from kvlog.kafka_client import TopicSpec, ensure_topics, start_producer
+from kvlog.records import EventRecord, Topics, WorkerState, encode, event_key
 from producer.events import BlockStored, GroupSpec
 
 pytestmark = pytest.mark.kafka

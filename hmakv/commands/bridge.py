@@ -25,9 +25,6 @@ from bridge.config import (
     load_engines_file,
     parse_engine_flags,
 )
-from bridge.kafka_client import KafkaSecurity
-from bridge.logs import JsonFormatter
-from bridge.records import DEFAULT_TOPIC_PREFIX
 from bridge.service import BridgeService, BridgeSettings, check_topology
 from bridge.tracking import DEFAULT_MAX_BUFFERED
 from hmakv.argtypes import (
@@ -37,6 +34,9 @@ from hmakv.argtypes import (
     positive_float,
     positive_int,
 )
+from kvlog.kafka_client import KafkaSecurity
+from kvlog.logs import JsonFormatter
+from kvlog.records import DEFAULT_TOPIC_PREFIX
 
 log = logging.getLogger("hmakv.bridge")
 

@@ -16,8 +16,6 @@ import socket
 
 from aiokafka.errors import KafkaConnectionError
 
-from bridge.kafka_client import KafkaSecurity
-from bridge.records import Topics
 from consumers.api import ApiLimits, HashingDefaults
 from consumers.follower import MODES, FollowerConfig
 from consumers.index import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_TIER_WEIGHTS
@@ -29,6 +27,8 @@ from hmakv.argtypes import (
     non_negative_int,
     positive_int,
 )
+from kvlog.kafka_client import KafkaSecurity
+from kvlog.records import Topics
 from producer.hashing import HASH_FUNCTIONS
 
 log = logging.getLogger(__name__)

@@ -22,10 +22,10 @@ import msgspec
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from bridge.kafka_client import KafkaSecurity, start_producer, topic_partitions
-from bridge.records import RETIRED, Topics, WorkerState, encode
 from bridge.resume import read_worker_states
 from hmakv.argtypes import add_cluster_options
+from kvlog.kafka_client import KafkaSecurity, start_producer, topic_partitions
+from kvlog.records import RETIRED, Topics, WorkerState, encode
 from producer.events import GroupSpec
 
 EXIT_OK, EXIT_KAFKA, EXIT_USAGE = 0, 1, 2

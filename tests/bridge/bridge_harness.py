@@ -22,8 +22,11 @@ from aiokafka import AIOKafkaConsumer
 
 from bridge.config import EngineConfig
 from bridge.fanout import fan_out
-from bridge.kafka_client import create_consumer
-from bridge.records import (
+from bridge.service import BridgeService, BridgeSettings
+from hmakv.kafka import unique_topic
+from hmakv.kafka.process import free_port
+from kvlog.kafka_client import create_consumer
+from kvlog.records import (
     DeadLetter,
     EventRecord,
     Topics,
@@ -32,9 +35,6 @@ from bridge.records import (
     decode_event_record,
     decode_worker_state,
 )
-from bridge.service import BridgeService, BridgeSettings
-from hmakv.kafka import unique_topic
-from hmakv.kafka.process import free_port
 from producer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from producer.publisher import ZmqEventPublisher
 

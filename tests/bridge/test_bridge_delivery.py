@@ -23,7 +23,7 @@ from bridge_harness import (
     step_batch,
 )
 
-from bridge.kafka_client import TopicSpec, ensure_topics
+from kvlog.kafka_client import TopicSpec, ensure_topics
 from producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch
 
 pytestmark = pytest.mark.kafka

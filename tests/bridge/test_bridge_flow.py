@@ -29,7 +29,7 @@ from bridge_harness import (
 )
 
 from bridge.config import EngineConfig
-from bridge.records import EventRecord, encode, event_key
+from kvlog.records import EventRecord, encode, event_key
 from producer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from producer.protocol import decode_seq
 

@@ -31,7 +31,7 @@ from bridge_harness import (
 
 import bridge.service as bridge_service
 from bridge.config import EngineConfig
-from bridge.records import EventRecord
+from kvlog.records import EventRecord
 from producer.events import AllBlocksCleared, BlockRemoved, encode
 from producer.protocol import encode_seq
 from producer.publisher import ZmqEventPublisher

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from bridge import records
 from bridge.board import WorkerBoard, WorkerView
 from bridge.catalog import GroupCatalog
 from bridge.config import (
@@ -29,9 +28,7 @@ from bridge.frames import (
     split_live,
     split_reply,
 )
-from bridge.logs import JsonFormatter, RateLimitedLog
 from bridge.outbox import Outgoing
-from bridge.records import EventRecord, Topics
 from bridge.relay import WorkerRelay
 from bridge.service import BridgeSettings, check_topology
 from bridge.tracking import (
@@ -44,6 +41,9 @@ from bridge.tracking import (
     Step,
 )
 from consumers.index import KVIndex
+from kvlog import records
+from kvlog.logs import JsonFormatter, RateLimitedLog
+from kvlog.records import EventRecord, Topics
 from producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch, encode
 from producer.protocol import END_SEQ_FRAME, ReplyEnd, SeqFrames, encode_seq
 

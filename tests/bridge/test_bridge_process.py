@@ -29,12 +29,12 @@ from bridge_harness import (
 )
 
 from bridge.config import EngineConfig, Shard
-from bridge.records import Topics
 from bridge.service import BridgeService, BridgeSettings
 from hmakv.cli import build_parser, main
 from hmakv.commands import bridge as bridge_command
 from hmakv.commands.bridge import reload_engines
 from hmakv.kafka import unique_topic
+from kvlog.records import Topics
 
 
 class BridgeProcess:

@@ -8,10 +8,10 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bridge import records
 from bridge.catalog import GroupCatalog
 from bridge.fanout import clear_records, fan_out, split_to_fit
-from bridge.records import EventRecord
+from kvlog import records
+from kvlog.records import EventRecord
 from producer.events import (
     AllBlocksCleared,
     BlockRemoved,

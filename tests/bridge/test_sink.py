@@ -22,8 +22,8 @@ from prometheus_client import generate_latest
 from bridge.board import WorkerBoard, WorkerView
 from bridge.metrics import BridgeMetrics
 from bridge.outbox import KafkaRecord, Outgoing
-from bridge.records import DeadLetter, Topics, WorkerState, decode_worker_state, event_key
 from bridge.sink import KafkaSink
+from kvlog.records import DeadLetter, Topics, WorkerState, decode_worker_state, event_key
 
 TOPICS = Topics("t")
 BATCH_BYTES = 400  # a few of the records below per record batch

@@ -13,16 +13,16 @@ from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, RecordsToDelete
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
-from bridge.kafka_client import (
+from consumers.follower import Follower, FollowerConfig
+from hmakv.kafka import unique_topic
+from kvlog.kafka_client import (
     TopicSpec,
     create_consumer,
     ensure_topics,
     start_producer,
     topic_partitions,
 )
-from bridge.records import EventRecord, Health, Retired, Topics, WorkerState, encode, event_key
-from consumers.follower import Follower, FollowerConfig
-from hmakv.kafka import unique_topic
+from kvlog.records import EventRecord, Health, Retired, Topics, WorkerState, encode, event_key
 from producer.events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -20,10 +20,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from bridge.records import EventRecord, Topics
 from consumers.api import ApiLimits, HashingDefaults, ScoreApi, ScoreStats, build_app
 from consumers.follower import Follower, FollowerConfig
 from consumers.metrics import index_registry
+from kvlog.records import EventRecord, Topics
 from producer.events import BlockRemoved, BlockStored, ExternalBlockHash, decode
 from producer.hashing import BlockHasher, block_extra_keys, external
 

@@ -35,12 +35,12 @@ from follower_kit import (
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bridge.records import EventRecord, encode, event_key
 from consumers.api import ScoreApi, ScoreStats, build_app
 from consumers.follower import Follower
 from consumers.index import ApplyOutcome, KVIndex
 from consumers.metrics import index_registry
 from consumers.snapshots import FileSnapshotStore
+from kvlog.records import EventRecord, encode, event_key
 from producer.events import GroupSpec
 
 pytestmark = pytest.mark.kafka

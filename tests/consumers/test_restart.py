@@ -29,14 +29,14 @@ from follower_kit import (
 )
 from prometheus_client import generate_latest
 
-from bridge.kafka_client import TopicSpec, create_consumer
-from bridge.records import EventRecord, Topics
 from consumers.api import ScoreStats
 from consumers.follower import Follower, FollowerConfig
 from consumers.metrics import index_registry
 from consumers.service import IndexService, ServiceConfig
 from consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore, unpack
 from hmakv.kafka import unique_topic
+from kvlog.kafka_client import TopicSpec, create_consumer
+from kvlog.records import EventRecord, Topics
 from producer.events import KVEvent
 
 pytestmark = pytest.mark.kafka

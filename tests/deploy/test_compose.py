@@ -42,7 +42,7 @@ COMPOSE_FILE = REPO / "compose.yaml"
 # The Compose Specification's schema: CI has it next to the checkout; it is not copied in here.
 COMPOSE_SCHEMA = REPO.parent / "shared" / "schemas" / "compose-spec.json"
 DOCKERIGNORE = REPO / ".dockerignore"
-PACKAGES = ("producer", "bridge", "consumers", "hmakv")
+PACKAGES = ("producer", "kvlog", "bridge", "consumers", "hmakv")
 
 # Subcommands that serve Prometheus /metrics, scraped as job "hmakv-<subcommand>".
 METRICS_SUBCOMMANDS = ("bridge", "index")
