@@ -54,7 +54,6 @@ from pathlib import Path
 
 import zmq
 from aiokafka import AIOKafkaProducer
-from aiokafka.partitioner import DefaultPartitioner
 
 # Run as a script, this file's folder comes first on sys.path, where its own name would shadow
 # the bridge package.
@@ -69,6 +68,7 @@ from kvlog.kafka_client import (  # noqa: E402
     TopicSpec,
     create_consumer,
     ensure_topics,
+    partition_for,
     start_producer,
 )
 from kvlog.records import Topics  # noqa: E402
@@ -334,13 +334,12 @@ async def kafka_ceiling(bootstrap: str, batches: int) -> dict[str, float]:
     )
     producer = started_producer.producer
     partitions = sorted(await producer.partitions_for(topic))
-    partitioner = DefaultPartitioner()
     started = time.monotonic()
     in_flight: list[asyncio.Future[object]] = []
     for offset in range(0, len(encoded), 4096):
         by_partition: dict[int, list[Encoded]] = defaultdict(list)
         for key, value, headers in encoded[offset : offset + 4096]:
-            by_partition[partitioner(key, partitions, partitions)].append((key, value, headers))
+            by_partition[partition_for(key, partitions)].append((key, value, headers))
         for partition, chunk in by_partition.items():
             in_flight += await send_chunk(producer, topic, partition, chunk)
     await asyncio.gather(*in_flight)
@@ -393,7 +392,6 @@ async def _forward(job: ForwarderJob, ready: Event, result: mp.Queue) -> None:  
         )
     ).producer
     partitions = sorted(await producer.partitions_for(job.topic))
-    partitioner = DefaultPartitioner()
     await asyncio.sleep(1.0)  # let every subscription reach its engine
     ready.set()
     cpu_before = time.process_time()
@@ -408,7 +406,7 @@ async def _forward(job: ForwarderJob, ready: Event, result: mp.Queue) -> None:  
                 batch = decode(frames[2]).batch
                 for record in fan_out(f"e{index}", 0, last_seq[index], batch, (0, 1)):
                     key = records.event_key(record.worker, record.group_idx)
-                    partition = partitioner(key, partitions, partitions)
+                    partition = partition_for(key, partitions)
                     encoded = (key, records.encode(record), headers[index].of(record))
                     held[partition].append(encoded)
         if in_flight and all(future.done() for future in in_flight):

@@ -49,13 +49,13 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.producer.message_accumulator import BatchBuilder
 
 from bridge.board import WorkerBoard
 from bridge.metrics import BridgeMetrics
 from bridge.outbox import KafkaRecord, Outgoing
 from kvlog import records
+from kvlog.kafka_client import partition_for
 from kvlog.records import DeadLetter, Topics, WorkerState
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,6 @@ class KafkaSink:
         self._preparing = False  # a chunk taken (items, states due) and not yet handed over
         self._refused_epoch: dict[str, int] = {}  # per worker: its newest epoch with a refusal
         self._partitions: dict[tuple[str, bytes], int] = {}  # of the workers followed
-        self._partitioner = DefaultPartitioner()
         self._tasks: list[asyncio.Task[None]] = []
         self._last_retry_log = float("-inf")
         self.refusal_handlers: dict[str, RefusalHandler] = {}
@@ -487,7 +486,7 @@ class KafkaSink:
                 self._note_retry((topic, -1), error)
                 await asyncio.sleep(self._retry_backoff)
                 continue
-            partition = int(self._partitioner(key, partitions, partitions))
+            partition = partition_for(key, partitions)
             if self._followed(topic, key):
                 self._partitions[(topic, key)] = partition
             return partition

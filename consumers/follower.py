@@ -39,7 +39,6 @@ from typing import Any, Literal
 
 from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
-from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
 from consumers.index import DEFAULT_HASH_BLOCK_SIZE, ApplyOutcome, KVIndex
@@ -57,6 +56,7 @@ from consumers.snapshots import (
 from kvlog.kafka_client import (
     KafkaSecurity,
     create_consumer,
+    partition_for,
     topic_partitions,
     wait_for_partitions,
 )
@@ -385,8 +385,6 @@ class Follower:
         partitions = consumer.partitions_for_topic(tp.topic) or await topic_partitions(
             self.config.bootstrap, tp.topic, self.config.security
         )
-        every = sorted(partitions)
-        partitioner = DefaultPartitioner()
         found: dict[str, list[int]] = {}
         for info in self.index.workers():
             for group in sorted({*info.groups, *info.last_seq, *info.resident}):
@@ -394,7 +392,7 @@ class Follower:
                 if read_on is not None:
                     on_tp = read_on == tp
                 else:
-                    on_tp = partitioner(event_key(info.name, group), every, every) == tp.partition
+                    on_tp = partition_for(event_key(info.name, group), partitions) == tp.partition
                 if on_tp:
                     found.setdefault(info.name, []).append(group)
         return found

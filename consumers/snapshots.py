@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
 from kvlog.kafka_client import (
@@ -39,6 +38,7 @@ from kvlog.kafka_client import (
     TopicSpec,
     create_consumer,
     ensure_topics,
+    partition_for,
     start_producer,
     topic_partitions,
 )
@@ -282,10 +282,10 @@ class KafkaSnapshotStore:
                 ],
                 security=self._security,
             )
-            partitions = sorted(await topic_partitions(self.bootstrap, self.topic, self._security))
+            partitions = await topic_partitions(self.bootstrap, self.topic, self._security)
             if not partitions:
                 raise SnapshotError(f"snapshot topic {self.topic!r} has no partitions")
-            self._partition = int(DefaultPartitioner()(self._key, partitions, partitions))
+            self._partition = partition_for(self._key, partitions)
         return self._partition
 
 

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from aiokafka.errors import (
     for_code,
 )
 from aiokafka.helpers import create_ssl_context
+from aiokafka.partitioner import DefaultPartitioner
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,17 @@ async def ensure_topics(
     finally:
         await admin.close()
     return _created_topic_names(response.topic_errors)
+
+
+_partitioner = DefaultPartitioner()
+
+
+def partition_for(key: bytes, partitions: Iterable[int]) -> int:
+    """The partition a key's records go to: the producer's default rule (murmur2 of the key over
+    the sorted partitions, as Kafka's Java producer does), so that a reader can tell, without
+    reading, which partition holds a worker's group."""
+    every = sorted(partitions)
+    return int(_partitioner(key, every, every))
 
 
 async def topic_partitions(
