@@ -49,6 +49,7 @@ PROMPTS = 80
 VLLM_OWN = ServerSpec("vllm-own", "gemma3-swa64", hmakv_publisher=False)
 HMAKV_PLUGIN = ServerSpec("vllm-plugin", "qwen3next-gdn3", hmakv_publisher=True)
 SESSION_EXIT_S = 30.0
+SNAPSHOT_STEPS = 20
 PLUGIN_LOG_LINE = "hmakv's KV-event publisher replaces vLLM's 'zmq' publisher"
 
 
@@ -269,12 +270,16 @@ def snapshot_during_a_request(server: Server) -> tuple[int, list[KVEvent]]:
     replies: list[list[bytes]] = []
     asking = threading.Thread(target=lambda: replies.extend(snapshot_frames(server.replay)))
     asking.start()
-    time.sleep(0.5)  # the request reaches the publisher thread before the step
-    body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": list(range(200)), "max_tokens": 1})
-    request = urllib.request.Request(
-        f"{server.api_url}/v1/completions", body.encode(), {"Content-Type": "application/json"}
-    )
-    urllib.request.urlopen(request, timeout=60).read()
+    for step in range(SNAPSHOT_STEPS):  # until a step comes after the request reached vLLM
+        asking.join(timeout=0.5)
+        if not asking.is_alive():
+            break
+        prompt = [step % 256, *range(200)]  # new blocks each time, so each step publishes
+        body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 1})
+        request = urllib.request.Request(
+            f"{server.api_url}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+        )
+        urllib.request.urlopen(request, timeout=60).read()
     asking.join(timeout=60)
     assert replies, "no snapshot offered"
     seqs = {decode_seq(frames[-2]) for frames in replies}
