@@ -3,8 +3,9 @@
 This is the ground truth every consumer index is checked against, so it must reproduce what
 ``HybridKVCacheCoordinator.find_longest_cache_hit`` in ``vllm/v1/core/kv_cache_coordinator.py``
 (and the per-type ``find_longest_cache_hit`` in ``single_type_kv_cache_manager.py``) decides, given
-only "is this hash cached in group g". Keeping it free of any pool lets the engine, the consumers'
-index and exhaustive tests share one implementation of the rule.
+only "is this hash cached in group g". Keeping it free of any pool lets the engine and the
+exhaustive tests use it as the oracle; the consumers' index has its own one-pass implementation
+(``consumers/hit_rule.py``), checked against vLLM's traces and a model of its own.
 
 A hit of ``L`` tokens reads, per group (``k = L // block_size``):
 
