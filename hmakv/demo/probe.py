@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiokafka.errors import KafkaError
@@ -136,6 +136,23 @@ def same_state(view: WorkerView, later: WorkerView | None) -> bool:
     )
 
 
+async def probe_until(
+    stop: asyncio.Event,
+    probe: Callable[[tuple[int, ...]], Awaitable[None]],
+    next_prompt: Callable[[], tuple[int, ...]],
+    stats: ProbeStats,
+    pause_s: float,
+) -> None:
+    """Probe until ``stop`` is set; failures are counted, and the loop goes on."""
+    while not stop.is_set():
+        try:
+            await probe(next_prompt())
+        except (ServiceError, KafkaError, OSError, TimeoutError) as error:
+            stats.errors += 1
+            stats.last_error = str(error)
+        await asyncio.sleep(pause_s)
+
+
 def judge_decisions(stats: ProbeStats, comparisons: Sequence[Comparison]) -> None:
     """Would routing by each answer have picked a worker with the longest real hit?"""
     best_actual = max(c.actual for c in comparisons)
@@ -175,14 +192,7 @@ class Prober:
         self._routing: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Probe until ``stop`` is set; failures are counted, and the loop goes on."""
-        while not stop.is_set():
-            try:
-                await self.probe(self._prompts.next_prompt())
-            except (ServiceError, KafkaError, OSError, TimeoutError) as error:
-                self.stats.errors += 1
-                self.stats.last_error = str(error)
-            await asyncio.sleep(self._pause_s)
+        await probe_until(stop, self.probe, self._prompts.next_prompt, self.stats, self._pause_s)
         await self.drain()
 
     async def drain(self) -> None:

@@ -533,13 +533,7 @@ class Demo:
         self.say(
             "engines stopped; waiting for the bridge and the index to deliver their last events"
         )
-        try:
-            await self._wait_drained(
-                "the bridge to forward", forwarded(http, self.bridge_url, last_seqs)
-            )
-            await self._wait_drained("the index to apply", applied(index, last_seqs))
-        except ChildExited as error:
-            self.say(f"while draining: {error}")
+        await self._deliver(http, index, last_seqs)
         return exits
 
     async def _drain_vllm(
@@ -549,13 +543,7 @@ class Demo:
         the witnesses saw, then stop the servers. What each published is the witness's count."""
         last_seqs = {engine.name: await engine.witness.settle(FINAL_QUIET_S) for engine in engines}
         self.say("probing stopped; waiting for the bridge and the index to deliver every event")
-        try:
-            await self._wait_drained(
-                "the bridge to forward", forwarded(http, self.bridge_url, last_seqs)
-            )
-            await self._wait_drained("the index to apply", applied(index, last_seqs))
-        except ChildExited as error:
-            self.say(f"while draining: {error}")
+        await self._deliver(http, index, last_seqs)
         servers = [c for c in self.children.started if c.name in self.endpoints]
         codes = await asyncio.to_thread(self.children.stop, servers, VLLM_STOP_GRACE_S)
         return {
@@ -567,6 +555,16 @@ class Demo:
             )
             for engine in engines
         }
+
+    async def _deliver(self, http: Http, index: IndexClient, last_seqs: dict[str, int]) -> None:
+        """Until the bridge forwarded and the index applied each worker's last seq (bounded)."""
+        try:
+            await self._wait_drained(
+                "the bridge to forward", forwarded(http, self.bridge_url, last_seqs)
+            )
+            await self._wait_drained("the index to apply", applied(index, last_seqs))
+        except ChildExited as error:
+            self.say(f"while draining: {error}")
 
     async def _wait_drained(self, what: str, done: Callable[[], Awaitable[bool]]) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S

@@ -26,14 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from aiokafka.errors import KafkaError
-
 from hmakv.demo.client import (
     EngineGroup,
     EngineStatus,
     IndexClient,
     ScoreAnswer,
-    ServiceError,
     VllmClient,
     WorkerView,
 )
@@ -45,6 +42,7 @@ from hmakv.demo.probe import (
     RoutedRequest,
     by_worker,
     judge_decisions,
+    probe_until,
     same_state,
 )
 from hmakv.vllm.profiles import HASH_FN, HASH_SEED, VllmProfile
@@ -139,14 +137,9 @@ class VllmProber:
         scored, or vLLM had published a batch the index did not hold."""
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Probe until ``stop`` is set; failures are counted, and the loop goes on."""
-        while not stop.is_set():
-            try:
-                await self.probe(self._prompts.next_prompt())
-            except (ServiceError, KafkaError, OSError, TimeoutError) as error:
-                self.stats.errors += 1
-                self.stats.last_error = str(error)
-            await asyncio.sleep(self._pause_s)
+        """Probe until ``stop`` is set, then judge the probes still waiting for their fence."""
+        await probe_until(stop, self.probe, self._prompts.next_prompt, self.stats, self._pause_s)
+        await self.drain()
 
     async def drain(self) -> None:
         """Judge the probes still waiting for their fence, once every server's stream is quiet."""

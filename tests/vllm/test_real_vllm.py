@@ -37,7 +37,7 @@ from hmakv.demo.vllm_probe import VllmEngine, VllmProber
 from hmakv.kafka import unique_topic
 from hmakv.vllm.profiles import HASH_FN, HASH_SEED
 from hmakv.vllm.server import SERVED_MODEL_NAME
-from hmakv.vllm.witness import ALL_GROUPS
+from hmakv.vllm.witness import ALL_GROUPS, WitnessState
 from hmakv.vllm.workload import VllmPrompts
 from producer.events import AllBlocksCleared, BlockStored, ExternalBlockHash, KVEvent, decode
 from producer.hashing import BlockHasher, external
@@ -230,33 +230,26 @@ def cached_copies(events: Iterable[KVEvent]) -> dict[int, Counter[ExternalBlockH
 
 def published_through(fleet: Fleet, name: str, seq: int) -> list[KVEvent]:
     """Every event vLLM published up to ``seq``, read back from its replay ring."""
-
-    async def read() -> list[KVEvent]:
-        http, context = Http(), zmq.asyncio.Context()
-        try:
-            [engine] = [e for e in fleet.engines(http, context) if e.name == name]
-            engine.witness.start()
-            await engine.witness.replay_from(0)
-            await engine.witness.close()
-            payloads = engine.witness.state.payloads
-            assert sorted(payloads)[: seq + 1] == list(range(seq + 1))
-            return [e for s in range(seq + 1) for e in decode(payloads[s]).batch.events]
-        finally:
-            await http.close()
-            context.term()
-
-    return asyncio.run(read())
+    payloads = replayed(fleet, name).payloads
+    assert sorted(payloads)[: seq + 1] == list(range(seq + 1))
+    return [e for s in range(seq + 1) for e in decode(payloads[s]).batch.events]
 
 
 def first_batch_groups(fleet: Fleet, name: str) -> frozenset[int]:
-    async def read() -> frozenset[int]:
+    return replayed(fleet, name).batches[0].groups
+
+
+def replayed(fleet: Fleet, name: str) -> WitnessState:
+    """What a fresh witness of one server reads from its replay ring, from seq 0."""
+
+    async def read() -> WitnessState:
         http, context = Http(), zmq.asyncio.Context()
         try:
             [engine] = [e for e in fleet.engines(http, context) if e.name == name]
             engine.witness.start()
             await engine.witness.replay_from(0)
             await engine.witness.close()
-            return engine.witness.state.batches[0].groups
+            return engine.witness.state
         finally:
             await http.close()
             context.term()
