@@ -59,22 +59,22 @@ from aiokafka import AIOKafkaProducer
 # the bridge package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from bridge.fanout import fan_out  # noqa: E402
-from bridge.readable import take_ready  # noqa: E402
+from hmakv.bridge.fanout import fan_out  # noqa: E402
+from hmakv.bridge.readable import take_ready  # noqa: E402
 from hmakv.kafka import ApacheKafkaBroker, unique_topic  # noqa: E402
 from hmakv.kafka.process import free_port  # noqa: E402
-from kvlog import records  # noqa: E402
-from kvlog.kafka_client import (  # noqa: E402
+from hmakv.kvlog import records  # noqa: E402
+from hmakv.kvlog.kafka_client import (  # noqa: E402
     TopicSpec,
     create_consumer,
     ensure_topics,
     partition_for,
     start_producer,
 )
-from kvlog.records import Topics  # noqa: E402
-from producer.events import BlockRemoved, BlockStored, KVEventBatch, decode  # noqa: E402
-from producer.protocol import decode_seq, encode_seq  # noqa: E402
-from producer.publisher import ZmqEventPublisher  # noqa: E402
+from hmakv.kvlog.records import Topics  # noqa: E402
+from hmakv.producer.events import BlockRemoved, BlockStored, KVEventBatch, decode  # noqa: E402
+from hmakv.producer.protocol import decode_seq, encode_seq  # noqa: E402
+from hmakv.producer.publisher import ZmqEventPublisher  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "bridge.json"
 TARGET_RATE = 10_000  # batches/s, all engines together, for the latency target

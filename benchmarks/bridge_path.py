@@ -37,28 +37,28 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-from bridge.board import WorkerBoard  # noqa: E402
-from bridge.catalog import GroupCatalog  # noqa: E402
-from bridge.config import WorkerAddress  # noqa: E402
-from bridge.fanout import fan_out  # noqa: E402
-from bridge.intake import DEFAULT_ROUND_LIMIT, Intake  # noqa: E402
-from bridge.metrics import BridgeMetrics  # noqa: E402
-from bridge.relay import WorkerRelay  # noqa: E402
-from bridge.sink import KafkaSink  # noqa: E402
-from bridge.source import (  # noqa: E402
+from hmakv.bridge.board import WorkerBoard  # noqa: E402
+from hmakv.bridge.catalog import GroupCatalog  # noqa: E402
+from hmakv.bridge.config import WorkerAddress  # noqa: E402
+from hmakv.bridge.fanout import fan_out  # noqa: E402
+from hmakv.bridge.intake import DEFAULT_ROUND_LIMIT, Intake  # noqa: E402
+from hmakv.bridge.metrics import BridgeMetrics  # noqa: E402
+from hmakv.bridge.relay import WorkerRelay  # noqa: E402
+from hmakv.bridge.sink import KafkaSink  # noqa: E402
+from hmakv.bridge.source import (  # noqa: E402
     ConnectedSource,
     DeadLetterOffice,
     SourceSettings,
     SubscriberDeps,
     WorkerChannel,
 )
-from bridge.tracking import SequenceTracker  # noqa: E402
+from hmakv.bridge.tracking import SequenceTracker  # noqa: E402
 from hmakv.commands.bridge import tune_garbage_collector  # noqa: E402
-from kvlog import records  # noqa: E402
-from kvlog.records import Topics  # noqa: E402
-from producer.events import KVEventBatch, decode  # noqa: E402
-from producer.events import encode as encode_batch  # noqa: E402
-from producer.protocol import decode_seq, live_frames  # noqa: E402
+from hmakv.kvlog import records  # noqa: E402
+from hmakv.kvlog.records import Topics  # noqa: E402
+from hmakv.producer.events import KVEventBatch, decode  # noqa: E402
+from hmakv.producer.events import encode as encode_batch  # noqa: E402
+from hmakv.producer.protocol import decode_seq, live_frames  # noqa: E402
 
 
 def _load_step_batch() -> Callable[[int, int], KVEventBatch]:

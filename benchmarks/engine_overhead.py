@@ -36,13 +36,13 @@ from pathlib import Path
 import zmq
 
 from hmakv.kafka.process import free_port
-from producer.engine import HybridCacheManager, ModelProfile, get_profile
-from producer.engine.runner import context_tokens
-from producer.engine.scheduler import Scheduler, StepResult, SyntheticSampler, TokenSampler
-from producer.engine.workloads import ChatWorkload
-from producer.events import ExternalBlockHash, KVEventBatch
-from producer.publisher import ZmqEventPublisher
-from producer.recorder import EventRecorder
+from hmakv.producer.engine import HybridCacheManager, ModelProfile, get_profile
+from hmakv.producer.engine.runner import context_tokens
+from hmakv.producer.engine.scheduler import Scheduler, StepResult, SyntheticSampler, TokenSampler
+from hmakv.producer.engine.workloads import ChatWorkload
+from hmakv.producer.events import ExternalBlockHash, KVEventBatch
+from hmakv.producer.publisher import ZmqEventPublisher
+from hmakv.producer.recorder import EventRecorder
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "engine_overhead.json"
 MODES = ("off", "recorded", "published")
@@ -148,7 +148,7 @@ def build_scheduler(
     if model_device is None:
         sampler = SyntheticSampler(profile.dims.vocab_size, seed=1)
     else:
-        from producer.engine.model_sampler import ModelSampler
+        from hmakv.producer.engine.model_sampler import ModelSampler
 
         sampler = ModelSampler(manager, seed=1, device=model_device)
     return Scheduler(manager, sampler, token_budget=512, max_running=16)

@@ -44,9 +44,9 @@ import msgspec
 # shadow the bridge package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from consumers.index import KVIndex  # noqa: E402
-from kvlog.records import EventRecord  # noqa: E402
-from producer.events import (  # noqa: E402
+from hmakv.consumers.index import KVIndex  # noqa: E402
+from hmakv.kvlog.records import EventRecord  # noqa: E402
+from hmakv.producer.events import (  # noqa: E402
     BlockRemoved,
     BlockStored,
     ExternalBlockHash,

@@ -42,8 +42,8 @@ import msgspec
 import zmq
 
 from hmakv.kafka.process import free_port
-from producer.events import BlockRemoved, BlockStored, KVEventBatch
-from producer.publisher import ZmqEventPublisher
+from hmakv.producer.events import BlockRemoved, BlockStored, KVEventBatch
+from hmakv.producer.publisher import ZmqEventPublisher
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "publisher.json"
 # The paced engine's work between two publishes: sha256 of 256 KiB keeps the core busy (as a

@@ -39,12 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from consumers.follower import Follower, FollowerConfig
-from consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore, pack
+from hmakv.consumers.follower import Follower, FollowerConfig
+from hmakv.consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore, pack
 from hmakv.kafka import ApacheKafkaBroker, unique_topic
-from kvlog.kafka_client import TopicSpec, ensure_topics, start_producer
-from kvlog.records import EventRecord, Topics, encode, event_key
-from producer.events import BlockRemoved, BlockStored, ExternalBlockHash, KVEvent
+from hmakv.kvlog.kafka_client import TopicSpec, ensure_topics, start_producer
+from hmakv.kvlog.records import EventRecord, Topics, encode, event_key
+from hmakv.producer.events import BlockRemoved, BlockStored, ExternalBlockHash, KVEvent
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "restart.json"
 DEFAULT_ENTRIES = 400_000

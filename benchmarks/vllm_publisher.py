@@ -67,11 +67,11 @@ from typing import Any
 import zmq
 
 from hmakv.kafka.process import LOOPBACK, free_port
+from hmakv.producer import events as wire
+from hmakv.producer import protocol
+from hmakv.producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq
 from hmakv.vllm.server import DEFAULT_TOPIC, SERVED_MODEL_NAME
 from hmakv.vllm.workload import VllmPrompts
-from producer import events as wire
-from producer import protocol
-from producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "vllm_publisher.json"
 HMAKV_BIN = Path(sys.executable).parent / "hmakv"

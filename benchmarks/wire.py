@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from producer.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch, decode, encode
+from hmakv.producer.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch, decode, encode
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "wire.json"
 BLOCK_SIZE = 16

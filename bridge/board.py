@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvlog.records import RETIRED, Health, WorkerState
-from producer.events import GroupSpec
+from hmakv.kvlog.records import RETIRED, Health, WorkerState
+from hmakv.producer.events import GroupSpec
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from producer.events import BlockRemoved, BlockStored, GroupSpec, KVEvent, has_group_sizes
+from hmakv.producer.events import BlockRemoved, BlockStored, GroupSpec, KVEvent, has_group_sizes
 
 UNKNOWN_KIND = "unknown"  # vLLM's own name for a group whose kind it does not report
 _StoreKey = tuple[int, str | None, int | None, int]  # (group, kind, window, block size)

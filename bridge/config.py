@@ -27,9 +27,9 @@ from pathlib import Path
 
 import msgspec
 
-from kvlog.records import worker_id
-from producer.events import GROUP_KINDS, MAX_GROUP_IDX, GroupSpec
-from producer.protocol import offset_endpoint_port
+from hmakv.kvlog.records import worker_id
+from hmakv.producer.events import GROUP_KINDS, MAX_GROUP_IDX, GroupSpec
+from hmakv.producer.protocol import offset_endpoint_port
 
 _FLAG_OPTIONS = ("replay", "topic", "dp", "shard")
 

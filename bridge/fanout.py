@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvlog import records
-from kvlog.records import EventRecord
-from producer.events import AllBlocksCleared, KVEvent, KVEventBatch
+from hmakv.kvlog import records
+from hmakv.kvlog.records import EventRecord
+from hmakv.producer.events import AllBlocksCleared, KVEvent, KVEventBatch
 
 # What a part's record costs beyond its events is measured on an empty one with a first_event no
 # split reaches, plus what a list's msgpack header can grow by (1 byte when empty, at most 5):

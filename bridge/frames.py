@@ -12,8 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from producer.events import DecodedBatch, WireDecodeError, decode
-from producer.protocol import Malformed, ReplyEnd, SeqFrames, parse_live, parse_reply
+from hmakv.producer.events import DecodedBatch, WireDecodeError, decode
+from hmakv.producer.protocol import Malformed, ReplyEnd, SeqFrames, parse_live, parse_reply
 
 # The llm-d convention for a publisher's topic: kv@<pod-id>@<model>.
 _LLMD_PREFIX = "kv@"

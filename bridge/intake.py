@@ -36,7 +36,7 @@ from typing import cast
 
 import zmq
 
-from bridge.readable import take_one
+from hmakv.bridge.readable import take_one
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvlog.records import HEALTH_STATES, Health
-from producer.events import AllBlocksCleared, BlockRemoved, BlockStored
+from hmakv.kvlog.records import HEALTH_STATES, Health
+from hmakv.producer.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 # The event types the bridge counts: the known ones by name, any other as "unknown" (bounded).
 KNOWN_EVENT_CLASSES = (BlockStored, BlockRemoved, AllBlocksCleared)

@@ -10,10 +10,10 @@ be written: the relay asks the tracker to count it as lost, which clears and deg
 
 from __future__ import annotations
 
-from bridge.catalog import GroupCatalog
-from bridge.fanout import clear_records, fan_out, split_to_fit
-from bridge.outbox import KafkaRecord, Outgoing
-from bridge.tracking import (
+from hmakv.bridge.catalog import GroupCatalog
+from hmakv.bridge.fanout import clear_records, fan_out, split_to_fit
+from hmakv.bridge.outbox import KafkaRecord, Outgoing
+from hmakv.bridge.tracking import (
     CancelFetch,
     Clear,
     Fetch,
@@ -22,9 +22,9 @@ from bridge.tracking import (
     SequenceTracker,
     Step,
 )
-from kvlog import records
-from kvlog.records import EventRecord, Topics
-from producer.events import AllBlocksCleared
+from hmakv.kvlog import records
+from hmakv.kvlog.records import EventRecord, Topics
+from hmakv.producer.events import AllBlocksCleared
 
 
 class Handled:

@@ -10,8 +10,8 @@ import logging
 
 from aiokafka import TopicPartition
 
-from kvlog.kafka_client import KafkaSecurity, create_consumer
-from kvlog.records import RecordDecodeError, WorkerState, decode_worker_state
+from hmakv.kvlog.kafka_client import KafkaSecurity, create_consumer
+from hmakv.kvlog.records import RecordDecodeError, WorkerState, decode_worker_state
 
 log = logging.getLogger(__name__)
 

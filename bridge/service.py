@@ -19,17 +19,17 @@ from aiohttp import web
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from bridge.board import WorkerBoard
-from bridge.catalog import GroupCatalog
-from bridge.config import ConfigError, EngineConfig, WorkerAddress
-from bridge.frames import llmd_pod
-from bridge.health import Readiness, health_app, serve
-from bridge.intake import Intake
-from bridge.metrics import BridgeMetrics
-from bridge.relay import WorkerRelay
-from bridge.resume import read_worker_states
-from bridge.sink import KafkaSink
-from bridge.source import (
+from hmakv.bridge.board import WorkerBoard
+from hmakv.bridge.catalog import GroupCatalog
+from hmakv.bridge.config import ConfigError, EngineConfig, WorkerAddress
+from hmakv.bridge.frames import llmd_pod
+from hmakv.bridge.health import Readiness, health_app, serve
+from hmakv.bridge.intake import Intake
+from hmakv.bridge.metrics import BridgeMetrics
+from hmakv.bridge.relay import WorkerRelay
+from hmakv.bridge.resume import read_worker_states
+from hmakv.bridge.sink import KafkaSink
+from hmakv.bridge.source import (
     BoundSource,
     ConnectedSource,
     DeadLetterOffice,
@@ -38,17 +38,17 @@ from bridge.source import (
     SubscriberDeps,
     WorkerChannel,
 )
-from bridge.tracking import DEFAULT_MAX_BUFFERED, ResumePoint, SequenceTracker
-from kvlog.kafka_client import (
+from hmakv.bridge.tracking import DEFAULT_MAX_BUFFERED, ResumePoint, SequenceTracker
+from hmakv.kvlog.kafka_client import (
     KafkaSecurity,
     StartedProducer,
     TopicSpec,
     ensure_topics,
     start_producer,
 )
-from kvlog.records import DEFAULT_TOPIC_PREFIX, RETIRED, Topics, WorkerState, worker_id
-from producer.events import DEFAULT_MAX_PAYLOAD_BYTES
-from producer.protocol import offset_endpoint_port
+from hmakv.kvlog.records import DEFAULT_TOPIC_PREFIX, RETIRED, Topics, WorkerState, worker_id
+from hmakv.producer.events import DEFAULT_MAX_PAYLOAD_BYTES
+from hmakv.producer.protocol import offset_endpoint_port
 
 log = logging.getLogger(__name__)
 

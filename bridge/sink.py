@@ -51,12 +51,12 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.producer.message_accumulator import BatchBuilder
 
-from bridge.board import WorkerBoard
-from bridge.metrics import BridgeMetrics
-from bridge.outbox import KafkaRecord, Outgoing
-from kvlog import records
-from kvlog.kafka_client import partition_for
-from kvlog.records import DeadLetter, Topics, WorkerState
+from hmakv.bridge.board import WorkerBoard
+from hmakv.bridge.metrics import BridgeMetrics
+from hmakv.bridge.outbox import KafkaRecord, Outgoing
+from hmakv.kvlog import records
+from hmakv.kvlog.kafka_client import partition_for
+from hmakv.kvlog.records import DeadLetter, Topics, WorkerState
 
 log = logging.getLogger(__name__)
 

@@ -28,15 +28,15 @@ import zmq
 from prometheus_client import Counter as MetricCounter
 from zmq.utils.monitor import parse_monitor_message
 
-from bridge.board import WorkerBoard, WorkerView
-from bridge.config import WorkerAddress
-from bridge.frames import Rejected, RejectReason, decode_payload, split_live, split_reply
-from bridge.intake import Intake
-from bridge.metrics import KNOWN_EVENT_CLASSES, UNKNOWN_EVENT_TYPE, BridgeMetrics
-from bridge.readable import Readable, take_ready
-from bridge.relay import WorkerRelay
-from bridge.sink import KafkaSink
-from bridge.tracking import (
+from hmakv.bridge.board import WorkerBoard, WorkerView
+from hmakv.bridge.config import WorkerAddress
+from hmakv.bridge.frames import Rejected, RejectReason, decode_payload, split_live, split_reply
+from hmakv.bridge.intake import Intake
+from hmakv.bridge.metrics import KNOWN_EVENT_CLASSES, UNKNOWN_EVENT_TYPE, BridgeMetrics
+from hmakv.bridge.readable import Readable, take_ready
+from hmakv.bridge.relay import WorkerRelay
+from hmakv.bridge.sink import KafkaSink
+from hmakv.bridge.tracking import (
     BufferOverflow,
     Duplicate,
     EpochStarted,
@@ -49,10 +49,10 @@ from bridge.tracking import (
     HealthChanged,
     Step,
 )
-from kvlog.logs import RateLimitedLog
-from kvlog.records import DeadLetter, WorkerState
-from producer.events import DecodedBatch
-from producer.protocol import SNAPSHOT_REQUEST, ReplyEnd, SeqFrames, replay_request
+from hmakv.kvlog.logs import RateLimitedLog
+from hmakv.kvlog.records import DeadLetter, WorkerState
+from hmakv.producer.events import DecodedBatch
+from hmakv.producer.protocol import SNAPSHOT_REQUEST, ReplyEnd, SeqFrames, replay_request
 
 log = logging.getLogger(__name__)
 incidents = RateLimitedLog(log)

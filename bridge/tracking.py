@@ -39,8 +39,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvlog.records import Health
-from producer.events import AllBlocksCleared, KVEventBatch
+from hmakv.kvlog.records import Health
+from hmakv.producer.events import AllBlocksCleared, KVEventBatch
 
 # Live batches held per worker while a fetch runs: one that does not fit is fetched again by
 # the next replay, so the bound costs little and caps memory (a step batch is a few KiB).

@@ -20,12 +20,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from consumers.follower import Follower
-from consumers.index import WorkerInfo, WorkerScore
-from consumers.metrics import SCORE_DURATION_BUCKETS, Buckets
-from kvlog.records import Health
-from producer.events import ExternalBlockHash, GroupSpec
-from producer.hashing import (
+from hmakv.consumers.follower import Follower
+from hmakv.consumers.index import WorkerInfo, WorkerScore
+from hmakv.consumers.metrics import SCORE_DURATION_BUCKETS, Buckets
+from hmakv.kvlog.records import Health
+from hmakv.producer.events import ExternalBlockHash, GroupSpec
+from hmakv.producer.hashing import (
     HASH_FUNCTIONS,
     BlockHasher,
     UnsupportedHashFunction,

@@ -41,9 +41,9 @@ from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
-from consumers.index import DEFAULT_HASH_BLOCK_SIZE, ApplyOutcome, KVIndex
-from consumers.metrics import EVENT_AGE_BUCKETS, Buckets
-from consumers.snapshots import (
+from hmakv.consumers.index import DEFAULT_HASH_BLOCK_SIZE, ApplyOutcome, KVIndex
+from hmakv.consumers.metrics import EVENT_AGE_BUCKETS, Buckets
+from hmakv.consumers.snapshots import (
     SNAPSHOT_FORMAT,
     PartitionOffset,
     Snapshot,
@@ -53,15 +53,15 @@ from consumers.snapshots import (
     pack,
     unpack,
 )
-from kvlog.kafka_client import (
+from hmakv.kvlog.kafka_client import (
     KafkaSecurity,
     create_consumer,
     partition_for,
     topic_partitions,
     wait_for_partitions,
 )
-from kvlog.logs import RateLimitedLog
-from kvlog.records import (
+from hmakv.kvlog.logs import RateLimitedLog
+from hmakv.kvlog.records import (
     RETIRED,
     EventRecord,
     RecordDecodeError,

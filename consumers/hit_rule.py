@@ -31,7 +31,7 @@ from typing import Literal
 
 import msgspec
 
-from producer.events import (
+from hmakv.producer.events import (
     CHUNKED_LOCAL_KIND,
     MAMBA_KIND,
     SLIDING_WINDOW_KINDS,

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from consumers.hit_rule import (
+from hmakv.consumers.hit_rule import (
     Acceptance,
     Column,
     GroupRule,
@@ -49,8 +49,8 @@ from consumers.hit_rule import (
     longest_hits,
     rule_for,
 )
-from kvlog.records import HEALTH_STATES, EventRecord, Health
-from producer.events import (
+from hmakv.kvlog.records import HEALTH_STATES, EventRecord, Health
+from hmakv.producer.events import (
     FULL_ATTENTION_KINDS,
     MEDIUM_GPU,
     SLIDING_WINDOW_KINDS,
@@ -61,7 +61,7 @@ from producer.events import (
     KVEvent,
     has_group_sizes,
 )
-from producer.hashing import external
+from hmakv.producer.hashing import external
 
 DEFAULT_HASH_BLOCK_SIZE = 16
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}

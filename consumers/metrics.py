@@ -25,11 +25,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvlog.records import HEALTH_STATES
+from hmakv.kvlog.records import HEALTH_STATES
 
 if TYPE_CHECKING:
-    from consumers.api import ScoreStats
-    from consumers.follower import Follower, IgnoredState
+    from hmakv.consumers.api import ScoreStats
+    from hmakv.consumers.follower import Follower, IgnoredState
 
 PREFIX = "hmakv_index"
 # Engine batch timestamp to applied: milliseconds when healthy, minutes when the bridge replays.

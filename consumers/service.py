@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from consumers.api import ApiLimits, HashingDefaults, ScoreApi, ScoreStats, build_app
-from consumers.follower import Follower, FollowerConfig
-from consumers.metrics import index_registry
-from consumers.snapshots import open_store
+from hmakv.consumers.api import ApiLimits, HashingDefaults, ScoreApi, ScoreStats, build_app
+from hmakv.consumers.follower import Follower, FollowerConfig
+from hmakv.consumers.metrics import index_registry
+from hmakv.consumers.snapshots import open_store
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import msgspec
 from aiokafka.structs import TopicPartition
 
-from kvlog.kafka_client import (
+from hmakv.kvlog.kafka_client import (
     KafkaSecurity,
     StartedProducer,
     TopicSpec,
@@ -42,7 +42,7 @@ from kvlog.kafka_client import (
     start_producer,
     topic_partitions,
 )
-from kvlog.records import WorkerState
+from hmakv.kvlog.records import WorkerState
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import argparse
 import math
 import os
 
-from kvlog.records import DEFAULT_TOPIC_PREFIX
+from hmakv.kvlog.records import DEFAULT_TOPIC_PREFIX
 
 
 def positive_int(text: str) -> int:

@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from producer.events import MAX_GROUP_IDX, GroupSpec, KVEvent
+from hmakv.producer.events import MAX_GROUP_IDX, GroupSpec, KVEvent
 
 DEFAULT_TOPIC_PREFIX = "hmakv"
 

@@ -55,8 +55,8 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
-from producer.events import AllBlocksCleared, KVEvent, KVEventBatch
-from producer.protocol import (
+from hmakv.producer.events import AllBlocksCleared, KVEvent, KVEventBatch
+from hmakv.producer.protocol import (
     END_MARKER,
     SNAPSHOT_REQUEST,
     Malformed,

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from producer.events import (
+from hmakv.producer.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,

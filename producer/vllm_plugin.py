@@ -9,7 +9,7 @@ opts in with ``HMAKV_VLLM_PUBLISHER=1``, ``register`` puts ``create_publisher`` 
 ``producer.publisher`` documents (a publish that never blocks the scheduler, drops seen as gaps,
 a leading clear). Without the variable nothing changes, so installing hmakv next to vLLM is safe.
 
-Install: the ``vllm.general_plugins`` entry point ``hmakv = "producer.vllm_plugin:register"``;
+Install: the ``vllm.general_plugins`` entry point ``hmakv = "hmakv.producer.vllm_plugin:register"``;
 vLLM calls it in every process it starts (``VLLM_PLUGINS`` can filter plugins by name).
 vLLM is imported only inside ``register``, so this module imports without it.
 """
@@ -23,8 +23,8 @@ import sys
 from collections import Counter
 from typing import Any
 
-from producer.events import BlockStored, ExternalBlockHash, KVEvent
-from producer.publisher import ZmqEventPublisher
+from hmakv.producer.events import BlockStored, ExternalBlockHash, KVEvent
+from hmakv.producer.publisher import ZmqEventPublisher
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import pytest
 import zmq
 
 from hmakv.cli import main
-from producer.events import BlockRemoved, BlockStored, KVEventBatch, encode
-from producer.protocol import live_frames
+from hmakv.producer.events import BlockRemoved, BlockStored, KVEventBatch, encode
+from hmakv.producer.protocol import live_frames
 
 DATA = Path(__file__).parent / "data"
 WIRE_VECTORS = [json.loads(line) for line in (DATA / "vllm-wire.jsonl").read_text().splitlines()]

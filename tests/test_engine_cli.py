@@ -18,8 +18,8 @@ import zmq
 
 from hmakv.cli import build_parser, main
 from hmakv.kafka.process import free_port
-from producer.events import decode
-from producer.protocol import decode_seq
+from hmakv.producer.events import decode
+from hmakv.producer.protocol import decode_seq
 
 HMAKV = Path(sys.executable).with_name("hmakv")
 WAIT_S = 20.0  # bound on every wait; no test sleeps for a fixed time

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bridge.config import ConfigError, load_engines_file
-from producer.events import (
+from hmakv.bridge.config import ConfigError, load_engines_file
+from hmakv.producer.events import (
     KNOWN_EVENT_TYPES,
     AllBlocksCleared,
     BlockRemoved,

@@ -11,7 +11,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer.hashing import (
+from hmakv.producer.hashing import (
     HASH_FUNCTIONS,
     BlockHasher,
     MultiModalSpan,

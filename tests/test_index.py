@@ -9,9 +9,9 @@ import msgspec
 import pytest
 from test_index_model import ReferenceIndex
 
-from consumers.index import ApplyOutcome, IndexCounters, KVIndex, WorkerScore
-from kvlog.records import EventRecord
-from producer.events import (
+from hmakv.consumers.index import ApplyOutcome, IndexCounters, KVIndex, WorkerScore
+from hmakv.kvlog.records import EventRecord
+from hmakv.producer.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -14,9 +14,9 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from consumers.index import DEFAULT_TIER_WEIGHTS, ApplyOutcome
-from kvlog.records import EventRecord
-from producer.events import BlockRemoved, BlockStored, ExternalBlockHash, GroupSpec
+from hmakv.consumers.index import DEFAULT_TIER_WEIGHTS, ApplyOutcome
+from hmakv.kvlog.records import EventRecord
+from hmakv.producer.events import BlockRemoved, BlockStored, ExternalBlockHash, GroupSpec
 
 Finder = Callable[[int], int]
 IsCached = Callable[[int], bool]

@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_index_model import ReferenceIndex
 
-import consumers.index
-from consumers.index import KVIndex
-from kvlog.records import EventRecord
-from producer.events import (
+import hmakv.consumers.index
+from hmakv.consumers.index import KVIndex
+from hmakv.kvlog.records import EventRecord
+from hmakv.producer.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -279,7 +279,7 @@ def test_index_matches_model(
         worker: catalog_choices[(choice + 1) % len(catalog_choices)]
         for worker, choice in zip(WORKERS, worker_catalogs, strict=True)
     }
-    with patch.object(consumers.index, "INITIAL_LANE_WIDTH", 1 if narrow_lanes else 8):
+    with patch.object(hmakv.consumers.index, "INITIAL_LANE_WIDTH", 1 if narrow_lanes else 8):
         index = KVIndex(hash_block_size=HASH_BLOCK, tier_weights=tier_weights)
     model = ReferenceIndex(HASH_BLOCK, tier_weights)
     fleet = Fleet(dict(catalogs_by_worker), other_catalogs, prompts(shared, as_bytes), index, model)

@@ -21,9 +21,9 @@ import msgspec
 import pytest
 from test_index_model import ReferenceIndex
 
-from consumers.index import KVIndex
-from kvlog.records import EventRecord
-from producer.events import (
+from hmakv.consumers.index import KVIndex
+from hmakv.kvlog.records import EventRecord
+from hmakv.producer.events import (
     AllBlocksCleared,
     BlockStored,
     ExternalBlockHash,

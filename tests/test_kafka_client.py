@@ -14,7 +14,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import InvalidReplicationFactorError
 
 from hmakv.kafka import unique_topic
-from kvlog.kafka_client import (
+from hmakv.kvlog.kafka_client import (
     KafkaSecurity,
     TopicSpec,
     create_consumer,
@@ -97,7 +97,7 @@ async def test_apache_producer_is_idempotent_and_keeps_per_key_order(
     started = await start_producer(kafka_bootstrap, client_id="test-idempotence")
     await started.producer.stop()
     assert started.idempotent
-    assert not [r for r in caplog.records if r.name == "kvlog.kafka_client"]
+    assert not [r for r in caplog.records if r.name == "hmakv.kvlog.kafka_client"]
 
     topic = unique_topic("order")
     await _create_three_partitions(kafka_bootstrap, topic)
@@ -109,11 +109,11 @@ async def test_apache_producer_is_idempotent_and_keeps_per_key_order(
 async def test_tansu_refuses_idempotence_once_and_records_still_round_trip(
     tansu_bootstrap: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvlog.kafka_client"):
+    with caplog.at_level(logging.WARNING, logger="hmakv.kvlog.kafka_client"):
         started = await start_producer(tansu_bootstrap, client_id="test-fallback")
     await started.producer.stop()
     assert not started.idempotent
-    warnings = [r for r in caplog.records if r.name == "kvlog.kafka_client"]
+    warnings = [r for r in caplog.records if r.name == "hmakv.kvlog.kafka_client"]
     assert len(warnings) == 1
     assert warnings[0].levelno == logging.WARNING
     assert tansu_bootstrap in warnings[0].getMessage()
@@ -171,7 +171,7 @@ async def test_waiting_for_a_topic_times_out_without_creating_it_and_ends_once_i
     """Readers start before the bridge has made its topics: they wait, and never make one."""
     missing = unique_topic("missing")
     with (
-        caplog.at_level(logging.WARNING, logger="kvlog.kafka_client"),
+        caplog.at_level(logging.WARNING, logger="hmakv.kvlog.kafka_client"),
         pytest.raises(TimeoutError, match=missing),
     ):
         await wait_for_partitions(kafka_bootstrap, missing, retry_s=0.1, timeout_s=0.5)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from producer.protocol import (
+from hmakv.producer.protocol import (
     END_MARKER,
     END_SEQ_FRAME,
     SEQ_BYTES,
@@ -170,8 +170,8 @@ def test_the_contract_loads_neither_zmq_nor_the_publisher() -> None:
     """What follows an engine imports the contract, and the bridge's pure core with it, without
     pulling in zmq, threads of a publisher, or the publisher itself."""
     check = (
-        "import sys, producer.protocol, bridge.config; "
-        "loaded = {'zmq', 'producer.publisher'} & set(sys.modules); "
+        "import sys, hmakv.producer.protocol, hmakv.bridge.config; "
+        "loaded = {'zmq', 'hmakv.producer.publisher'} & set(sys.modules); "
         "assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", check], check=True)

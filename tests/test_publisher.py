@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from hmakv.kafka.process import free_port
-from producer.events import (
+from hmakv.producer.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -23,8 +23,8 @@ from producer.events import (
     KVEvent,
     KVEventBatch,
 )
-from producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq, replay_request
-from producer.publisher import ZmqEventPublisher
+from hmakv.producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq, replay_request
+from hmakv.producer.publisher import ZmqEventPublisher
 
 WAIT_MS = 5000  # bound on every wait for a message; tests never sleep for a fixed time
 TOPIC = "kv-events"

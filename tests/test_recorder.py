@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from producer.events import (
+from hmakv.producer.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -14,8 +14,8 @@ from producer.events import (
     KVEventBatch,
     encode,
 )
-from producer.hashing import BlockHasher, external
-from producer.recorder import EventRecorder
+from hmakv.producer.hashing import BlockHasher, external
+from hmakv.producer.recorder import EventRecorder
 
 # gpt-oss-like catalog: full attention and a 128-token sliding window, both with 16-token blocks.
 GPT_OSS = (

@@ -8,11 +8,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bridge.catalog import GroupCatalog
-from kvlog import records
-from kvlog.records import DeadLetter, EventRecord, RecordDecodeError, Topics, WorkerState
-from producer import events
-from producer.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
+from hmakv.bridge.catalog import GroupCatalog
+from hmakv.kvlog import records
+from hmakv.kvlog.records import DeadLetter, EventRecord, RecordDecodeError, Topics, WorkerState
+from hmakv.producer import events
+from hmakv.producer.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
 
 WIRE_VECTORS = Path(__file__).parent / "data" / "vllm-wire.jsonl"
 

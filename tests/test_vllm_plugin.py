@@ -25,10 +25,10 @@ import pytest
 import zmq
 
 from hmakv.kafka.process import free_port
-from producer import events as hmakv_events
-from producer import vllm_plugin
-from producer.protocol import decode_seq
-from producer.publisher import ZmqEventPublisher
+from hmakv.producer import events as hmakv_events
+from hmakv.producer import vllm_plugin
+from hmakv.producer.protocol import decode_seq
+from hmakv.producer.publisher import ZmqEventPublisher
 
 WAIT_S = 10.0
 

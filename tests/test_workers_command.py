@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from bridge.resume import read_worker_states
-from consumers.follower import Follower, FollowerConfig
+from hmakv.bridge.resume import read_worker_states
 from hmakv.cli import main
+from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.kafka import unique_topic
 from hmakv.kafka.process import free_port
-from kvlog.kafka_client import TopicSpec, ensure_topics, start_producer
-from kvlog.records import EventRecord, Topics, WorkerState, encode, event_key
-from producer.events import BlockStored, GroupSpec
+from hmakv.kvlog.kafka_client import TopicSpec, ensure_topics, start_producer
+from hmakv.kvlog.records import EventRecord, Topics, WorkerState, encode, event_key
+from hmakv.producer.events import BlockStored, GroupSpec
 
 pytestmark = pytest.mark.kafka
 

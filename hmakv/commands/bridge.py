@@ -17,16 +17,6 @@ import signal
 import sys
 from pathlib import Path
 
-from bridge.config import (
-    ConfigError,
-    EngineConfig,
-    Shard,
-    check_unique,
-    load_engines_file,
-    parse_engine_flags,
-)
-from bridge.service import BridgeService, BridgeSettings, check_topology
-from bridge.tracking import DEFAULT_MAX_BUFFERED
 from hmakv.argtypes import (
     bootstrap_servers,
     host_port,
@@ -34,9 +24,19 @@ from hmakv.argtypes import (
     positive_float,
     positive_int,
 )
-from kvlog.kafka_client import KafkaSecurity
-from kvlog.logs import JsonFormatter
-from kvlog.records import DEFAULT_TOPIC_PREFIX
+from hmakv.bridge.config import (
+    ConfigError,
+    EngineConfig,
+    Shard,
+    check_unique,
+    load_engines_file,
+    parse_engine_flags,
+)
+from hmakv.bridge.service import BridgeService, BridgeSettings, check_topology
+from hmakv.bridge.tracking import DEFAULT_MAX_BUFFERED
+from hmakv.kvlog.kafka_client import KafkaSecurity
+from hmakv.kvlog.logs import JsonFormatter
+from hmakv.kvlog.records import DEFAULT_TOPIC_PREFIX
 
 log = logging.getLogger("hmakv.bridge")
 

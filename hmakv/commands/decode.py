@@ -15,14 +15,14 @@ import msgspec
 import zmq
 
 from hmakv.argtypes import positive_float, positive_int
-from producer.events import (
+from hmakv.producer.events import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DecodedBatch,
     KVEvent,
     WireDecodeError,
     decode,
 )
-from producer.protocol import Malformed, parse_live
+from hmakv.producer.protocol import Malformed, parse_live
 
 EXIT_OK = 0
 EXIT_RUNTIME_FAILURE = 1

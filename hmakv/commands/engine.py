@@ -27,8 +27,8 @@ from hmakv.argtypes import (
     positive_float,
     positive_int,
 )
-from producer.engine.profiles import PROFILES, UnknownProfile
-from producer.engine.workloads import WORKLOADS, UnknownWorkload
+from hmakv.producer.engine.profiles import PROFILES, UnknownProfile
+from hmakv.producer.engine.workloads import WORKLOADS, UnknownWorkload
 
 EXIT_OK = 0
 EXIT_RUNTIME_FAILURE = 1
@@ -178,7 +178,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from producer.engine.runner import Engine, EngineConfig  # the engine only when it runs
+    from hmakv.producer.engine.runner import Engine, EngineConfig  # the engine only when it runs
 
     config = EngineConfig(
         profile=args.profile,

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from producer.hashing import (
+from hmakv.producer.hashing import (
     HASH_FUNCTIONS,
     BlockHasher,
     block_extra_keys,

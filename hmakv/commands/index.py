@@ -16,10 +16,6 @@ import socket
 
 from aiokafka.errors import KafkaConnectionError
 
-from consumers.api import ApiLimits, HashingDefaults
-from consumers.follower import MODES, FollowerConfig
-from consumers.index import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_TIER_WEIGHTS
-from consumers.service import DEFAULT_HOST, DEFAULT_PORT, IndexService, ServiceConfig
 from hmakv.argtypes import (
     add_cluster_options,
     host_port,
@@ -27,9 +23,13 @@ from hmakv.argtypes import (
     non_negative_int,
     positive_int,
 )
-from kvlog.kafka_client import KafkaSecurity
-from kvlog.records import Topics
-from producer.hashing import HASH_FUNCTIONS
+from hmakv.consumers.api import ApiLimits, HashingDefaults
+from hmakv.consumers.follower import MODES, FollowerConfig
+from hmakv.consumers.index import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_TIER_WEIGHTS
+from hmakv.consumers.service import DEFAULT_HOST, DEFAULT_PORT, IndexService, ServiceConfig
+from hmakv.kvlog.kafka_client import KafkaSecurity
+from hmakv.kvlog.records import Topics
+from hmakv.producer.hashing import HASH_FUNCTIONS
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ import msgspec
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from bridge.resume import read_worker_states
 from hmakv.argtypes import add_cluster_options
-from kvlog.kafka_client import KafkaSecurity, start_producer, topic_partitions
-from kvlog.records import RETIRED, Topics, WorkerState, encode
-from producer.events import GroupSpec
+from hmakv.bridge.resume import read_worker_states
+from hmakv.kvlog.kafka_client import KafkaSecurity, start_producer, topic_partitions
+from hmakv.kvlog.records import RETIRED, Topics, WorkerState, encode
+from hmakv.producer.events import GroupSpec
 
 EXIT_OK, EXIT_KAFKA, EXIT_USAGE = 0, 1, 2
 

@@ -15,8 +15,8 @@ from enum import StrEnum
 from pathlib import Path
 
 from hmakv.kafka import cache_dir
-from producer.engine.profiles import PROFILES
-from producer.engine.workloads import WORKLOADS
+from hmakv.producer.engine.profiles import PROFILES
+from hmakv.producer.engine.workloads import WORKLOADS
 
 
 class EmbeddedBroker(StrEnum):

@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import Sequence
 
 from hmakv.demo.config import EngineSpec
-from producer.engine.profiles import ModelProfile, get_profile
-from producer.engine.runner import context_tokens
-from producer.engine.workloads import Workload, make_workload
+from hmakv.producer.engine.profiles import ModelProfile, get_profile
+from hmakv.producer.engine.runner import context_tokens
+from hmakv.producer.engine.workloads import Workload, make_workload
 
 FOLLOW_UP_SHARE = 0.35
 BRANCH_SHARE = 0.25

@@ -23,7 +23,7 @@ from typing import Any
 
 from aiokafka.structs import TopicPartition
 
-from kvlog.kafka_client import KafkaSecurity, create_consumer, wait_for_partitions
+from hmakv.kvlog.kafka_client import KafkaSecurity, create_consumer, wait_for_partitions
 
 log = logging.getLogger(__name__)
 

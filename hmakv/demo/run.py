@@ -51,13 +51,13 @@ from hmakv.demo.topics import delete_topics
 from hmakv.demo.vllm_probe import FINAL_QUIET_S, VllmEngine, VllmProber
 from hmakv.kafka import BrokerStartError, JarFetchError, LocalBroker, local_broker
 from hmakv.kafka.process import LOOPBACK, free_port
+from hmakv.producer.engine.profiles import get_profile
 from hmakv.vllm.profiles import CPU_BLOCK_SIZE
 from hmakv.vllm.profiles import PROFILES as VLLM_PROFILES
 from hmakv.vllm.server import DEFAULT_TOPIC as VLLM_TOPIC
 from hmakv.vllm.server import SERVED_MODEL_NAME
 from hmakv.vllm.witness import EventWitness
 from hmakv.vllm.workload import VllmPrompts
-from producer.engine.profiles import get_profile
 
 log = logging.getLogger(__name__)
 

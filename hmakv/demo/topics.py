@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from aiokafka.admin import AIOKafkaAdminClient
 
-from kvlog.kafka_client import KafkaSecurity
+from hmakv.kvlog.kafka_client import KafkaSecurity
 
 _CLIENT_ID = "hmakv-demo"
 

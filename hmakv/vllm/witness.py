@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from producer.events import (
+from hmakv.producer.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -34,7 +34,7 @@ from producer.events import (
     decode,
     has_group_sizes,
 )
-from producer.protocol import Malformed, ReplyEnd, parse_live, parse_reply, replay_request
+from hmakv.producer.protocol import Malformed, ReplyEnd, parse_live, parse_reply, replay_request
 
 REPLAY_TIMEOUT_S = 5.0
 ALL_GROUPS = -1

@@ -5,9 +5,15 @@ prefix hit is: its events are the ones vLLM would emit for the same requests, an
 ``hit_rule.find_longest_cache_hit`` is the rule every consumer index is checked against.
 """
 
-from producer.engine.cache_manager import Admission, HybridCacheManager, RequestProgress
-from producer.engine.hit_rule import find_longest_cache_hit
-from producer.engine.profiles import PROFILES, ModelDims, ModelProfile, UnknownProfile, get_profile
+from hmakv.producer.engine.cache_manager import Admission, HybridCacheManager, RequestProgress
+from hmakv.producer.engine.hit_rule import find_longest_cache_hit
+from hmakv.producer.engine.profiles import (
+    PROFILES,
+    ModelDims,
+    ModelProfile,
+    UnknownProfile,
+    get_profile,
+)
 
 __all__ = [
     "PROFILES",

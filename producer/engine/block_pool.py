@@ -14,9 +14,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from producer.events import ExternalBlockHash
-from producer.hashing import BlockExtraKeys
-from producer.recorder import EventRecorder
+from hmakv.producer.events import ExternalBlockHash
+from hmakv.producer.hashing import BlockExtraKeys
+from hmakv.producer.recorder import EventRecorder
 
 HashEncoder = Callable[[bytes], ExternalBlockHash]
 

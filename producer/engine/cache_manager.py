@@ -13,19 +13,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from producer.engine.block_pool import BlockPool, CachedContent, HashEncoder, KVBlock
-from producer.engine.group_managers import GroupBlockManager, make_group_manager
-from producer.engine.hit_rule import (
+from hmakv.producer.engine.block_pool import BlockPool, CachedContent, HashEncoder, KVBlock
+from hmakv.producer.engine.group_managers import GroupBlockManager, make_group_manager
+from hmakv.producer.engine.hit_rule import (
     alignment_tokens,
     find_longest_cache_hit,
     hash_block_size,
     required_blocks,
 )
-from producer.engine.profiles import ModelProfile
-from producer.engine.request import EngineRequest
-from producer.events import MAMBA_KIND, MEDIUM_GPU, BlockStored, KVEventBatch
-from producer.hashing import BlockHasher, external, group_block_hashes
-from producer.recorder import EventRecorder
+from hmakv.producer.engine.profiles import ModelProfile
+from hmakv.producer.engine.request import EngineRequest
+from hmakv.producer.events import MAMBA_KIND, MEDIUM_GPU, BlockStored, KVEventBatch
+from hmakv.producer.hashing import BlockHasher, external, group_block_hashes
+from hmakv.producer.recorder import EventRecorder
 
 
 @dataclass(frozen=True)

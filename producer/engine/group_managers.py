@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from producer.engine.block_pool import BlockPool, CacheKey, KVBlock, RequestBlocks
-from producer.engine.hit_rule import is_reachable_block
-from producer.engine.request import EngineRequest
-from producer.events import CHUNKED_LOCAL_KIND, MAMBA_KIND, SLIDING_WINDOW_KINDS, GroupSpec
-from producer.hashing import group_block_hashes
+from hmakv.producer.engine.block_pool import BlockPool, CacheKey, KVBlock, RequestBlocks
+from hmakv.producer.engine.hit_rule import is_reachable_block
+from hmakv.producer.engine.request import EngineRequest
+from hmakv.producer.events import CHUNKED_LOCAL_KIND, MAMBA_KIND, SLIDING_WINDOW_KINDS, GroupSpec
+from hmakv.producer.hashing import group_block_hashes
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from producer.events import (
+from hmakv.producer.events import (
     CHUNKED_LOCAL_KIND,
     FULL_ATTENTION_KINDS,
     MAMBA_KIND,
@@ -33,7 +33,7 @@ from producer.events import (
     SLIDING_WINDOW_KINDS,
     GroupSpec,
 )
-from producer.hashing import group_block_hashes
+from hmakv.producer.hashing import group_block_hashes
 
 H = TypeVar("H", bound=Hashable)
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from producer.engine.hit_rule import check_group
-from producer.engine.paged_attention import (
+from hmakv.producer.engine.hit_rule import check_group
+from hmakv.producer.engine.paged_attention import (
     AttentionIndex,
     GroupIndex,
     StateIndex,
@@ -39,8 +39,8 @@ from producer.engine.paged_attention import (
     paged_attention,
     write_kv,
 )
-from producer.engine.profiles import ModelProfile
-from producer.events import FULL_ATTENTION_KINDS, MAMBA_KIND, GroupSpec
+from hmakv.producer.engine.profiles import ModelProfile
+from hmakv.producer.events import FULL_ATTENTION_KINDS, MAMBA_KIND, GroupSpec
 
 MAX_EMBED_ROWS = 4096
 ROPE_BASE = 10_000.0

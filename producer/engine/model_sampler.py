@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from producer.engine.cache_manager import HybridCacheManager
-from producer.engine.model import HybridModel, SequenceStep
-from producer.engine.scheduler import ScheduledChunk
+from hmakv.producer.engine.cache_manager import HybridCacheManager
+from hmakv.producer.engine.model import HybridModel, SequenceStep
+from hmakv.producer.engine.scheduler import ScheduledChunk
 
 
 class ModelSampler:

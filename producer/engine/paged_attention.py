@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from producer.events import CHUNKED_LOCAL_KIND, MAMBA_KIND, SLIDING_WINDOW_KINDS, GroupSpec
+from hmakv.producer.events import CHUNKED_LOCAL_KIND, MAMBA_KIND, SLIDING_WINDOW_KINDS, GroupSpec
 
 # vLLM's null block: the pool reserves block 0 and puts it wherever a table has no real block.
 NULL_BLOCK = 0

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from producer.events import GroupSpec
+from hmakv.producer.events import GroupSpec
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from producer.hashing import BlockExtraKeys, BlockHasher, block_extra_keys
+from hmakv.producer.hashing import BlockExtraKeys, BlockHasher, block_extra_keys
 
 
 class EngineRequest:

@@ -29,16 +29,16 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from producer.engine.api import (
+from hmakv.producer.engine.api import (
     AdmissionResult,
     ApiServer,
     EngineStopped,
     LookupResult,
     RequestRejected,
 )
-from producer.engine.cache_manager import HybridCacheManager
-from producer.engine.profiles import ModelProfile, get_profile
-from producer.engine.scheduler import (
+from hmakv.producer.engine.cache_manager import HybridCacheManager
+from hmakv.producer.engine.profiles import ModelProfile, get_profile
+from hmakv.producer.engine.scheduler import (
     FinishedRequest,
     FinishReason,
     Scheduler,
@@ -46,15 +46,15 @@ from producer.engine.scheduler import (
     SyntheticSampler,
     TokenSampler,
 )
-from producer.engine.workloads import (
+from hmakv.producer.engine.workloads import (
     MIN_CONTEXT_TOKENS,
     ArrivalSchedule,
     Workload,
     make_workload,
 )
-from producer.events import KVEvent
-from producer.publisher import ZmqEventPublisher
-from producer.recorder import EventRecorder
+from hmakv.producer.events import KVEvent
+from hmakv.producer.publisher import ZmqEventPublisher
+from hmakv.producer.recorder import EventRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class Engine:
     def _sampler(self) -> TokenSampler:
         if not self.config.use_model:
             return SyntheticSampler(self.profile.dims.vocab_size, seed=self.config.seed)
-        from producer.engine.model_sampler import ModelSampler  # torch only when a model runs
+        from hmakv.producer.engine.model_sampler import ModelSampler  # torch only when a model runs
 
         sampler = ModelSampler(self.manager, seed=self.config.seed, device=self.config.device)
         self._model_device = str(sampler.device)

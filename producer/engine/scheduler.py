@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from producer.engine.cache_manager import HybridCacheManager
-from producer.engine.profiles import ModelProfile
-from producer.events import FULL_ATTENTION_KINDS, KVEventBatch
+from hmakv.producer.engine.cache_manager import HybridCacheManager
+from hmakv.producer.engine.profiles import ModelProfile
+from hmakv.producer.events import FULL_ATTENTION_KINDS, KVEventBatch
 
 
 @dataclass(frozen=True)

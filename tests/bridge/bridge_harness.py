@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer
 
-from bridge.config import EngineConfig
-from bridge.fanout import fan_out
-from bridge.service import BridgeService, BridgeSettings
+from hmakv.bridge.config import EngineConfig
+from hmakv.bridge.fanout import fan_out
+from hmakv.bridge.service import BridgeService, BridgeSettings
 from hmakv.kafka import unique_topic
 from hmakv.kafka.process import free_port
-from kvlog.kafka_client import create_consumer
-from kvlog.records import (
+from hmakv.kvlog.kafka_client import create_consumer
+from hmakv.kvlog.records import (
     DeadLetter,
     EventRecord,
     Topics,
@@ -35,8 +35,8 @@ from kvlog.records import (
     decode_event_record,
     decode_worker_state,
 )
-from producer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
-from producer.publisher import ZmqEventPublisher
+from hmakv.producer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from hmakv.producer.publisher import ZmqEventPublisher
 
 WAIT_S = 30.0  # bound on every wait for a condition; tests never sleep for a fixed time
 GROUPS = (0, 1)

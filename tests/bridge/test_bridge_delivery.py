@@ -23,8 +23,8 @@ from bridge_harness import (
     step_batch,
 )
 
-from kvlog.kafka_client import TopicSpec, ensure_topics
-from producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch
+from hmakv.kvlog.kafka_client import TopicSpec, ensure_topics
+from hmakv.producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch
 
 pytestmark = pytest.mark.kafka
 

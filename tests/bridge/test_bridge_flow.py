@@ -28,10 +28,10 @@ from bridge_harness import (
     shape,
 )
 
-from bridge.config import EngineConfig
-from kvlog.records import EventRecord, encode, event_key
-from producer.events import AllBlocksCleared, BlockRemoved, BlockStored
-from producer.protocol import decode_seq
+from hmakv.bridge.config import EngineConfig
+from hmakv.kvlog.records import EventRecord, encode, event_key
+from hmakv.producer.events import AllBlocksCleared, BlockRemoved, BlockStored
+from hmakv.producer.protocol import decode_seq
 
 pytestmark = pytest.mark.kafka
 

@@ -29,12 +29,12 @@ from bridge_harness import (
     step_batch,
 )
 
-import bridge.service as bridge_service
-from bridge.config import EngineConfig
-from kvlog.records import EventRecord
-from producer.events import AllBlocksCleared, BlockRemoved, encode
-from producer.protocol import encode_seq
-from producer.publisher import ZmqEventPublisher
+import hmakv.bridge.service as bridge_service
+from hmakv.bridge.config import EngineConfig
+from hmakv.kvlog.records import EventRecord
+from hmakv.producer.events import AllBlocksCleared, BlockRemoved, encode
+from hmakv.producer.protocol import encode_seq
+from hmakv.producer.publisher import ZmqEventPublisher
 
 pytestmark = pytest.mark.kafka
 

@@ -25,9 +25,9 @@ from bridge_harness import (
     settings_for,
 )
 
-from bridge.service import BridgeService
+from hmakv.bridge.service import BridgeService
 from hmakv.kafka import ApacheKafkaBroker
-from producer.events import GroupSpec
+from hmakv.producer.events import GroupSpec
 
 
 @pytest.mark.kafka

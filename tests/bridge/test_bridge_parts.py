@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bridge.board import WorkerBoard, WorkerView
-from bridge.catalog import GroupCatalog
-from bridge.config import (
+from hmakv.bridge.board import WorkerBoard, WorkerView
+from hmakv.bridge.catalog import GroupCatalog
+from hmakv.bridge.config import (
     ConfigError,
     EngineConfig,
     Shard,
@@ -20,7 +20,7 @@ from bridge.config import (
     load_engines_file,
     parse_engine_flag,
 )
-from bridge.frames import (
+from hmakv.bridge.frames import (
     Rejected,
     RejectReason,
     decode_payload,
@@ -28,10 +28,10 @@ from bridge.frames import (
     split_live,
     split_reply,
 )
-from bridge.outbox import Outgoing
-from bridge.relay import WorkerRelay
-from bridge.service import BridgeSettings, check_topology
-from bridge.tracking import (
+from hmakv.bridge.outbox import Outgoing
+from hmakv.bridge.relay import WorkerRelay
+from hmakv.bridge.service import BridgeSettings, check_topology
+from hmakv.bridge.tracking import (
     Clear,
     Fetch,
     Forward,
@@ -40,12 +40,12 @@ from bridge.tracking import (
     SequenceTracker,
     Step,
 )
-from consumers.index import KVIndex
-from kvlog import records
-from kvlog.logs import JsonFormatter, RateLimitedLog
-from kvlog.records import EventRecord, Topics
-from producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch, encode
-from producer.protocol import END_SEQ_FRAME, ReplyEnd, SeqFrames, encode_seq
+from hmakv.consumers.index import KVIndex
+from hmakv.kvlog import records
+from hmakv.kvlog.logs import JsonFormatter, RateLimitedLog
+from hmakv.kvlog.records import EventRecord, Topics
+from hmakv.producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch, encode
+from hmakv.producer.protocol import END_SEQ_FRAME, ReplyEnd, SeqFrames, encode_seq
 
 # --- configuration -------------------------------------------------------------------------------
 

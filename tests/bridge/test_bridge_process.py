@@ -28,13 +28,13 @@ from bridge_harness import (
     free_port,
 )
 
-from bridge.config import EngineConfig, Shard
-from bridge.service import BridgeService, BridgeSettings
+from hmakv.bridge.config import EngineConfig, Shard
+from hmakv.bridge.service import BridgeService, BridgeSettings
 from hmakv.cli import build_parser, main
 from hmakv.commands import bridge as bridge_command
 from hmakv.commands.bridge import reload_engines
 from hmakv.kafka import unique_topic
-from kvlog.records import Topics
+from hmakv.kvlog.records import Topics
 
 
 class BridgeProcess:
@@ -395,7 +395,7 @@ async def test_a_reload_of_a_bridge_that_never_started_does_nothing(
     """SIGTERM during start (Kafka not answering) cancels it; a SIGHUP queued behind it must
     not run on a bridge without Kafka (it failed an assertion in a task nobody awaited)."""
     service = BridgeService(BridgeSettings(kafka="127.0.0.1:1"), [])
-    with caplog.at_level(logging.WARNING, logger="bridge.service"):
+    with caplog.at_level(logging.WARNING, logger="hmakv.bridge.service"):
         await service.reload([EngineConfig("a", "tcp://127.0.0.1:1")])
     assert "has not started" in caplog.text
     assert service.readiness().sources == {}

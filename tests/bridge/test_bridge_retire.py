@@ -29,8 +29,8 @@ from bridge_harness import (
     shape,
 )
 
-from bridge.config import EngineConfig
-from producer.publisher import ZmqEventPublisher
+from hmakv.bridge.config import EngineConfig
+from hmakv.producer.publisher import ZmqEventPublisher
 
 pytestmark = pytest.mark.kafka
 

@@ -8,11 +8,11 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bridge.catalog import GroupCatalog
-from bridge.fanout import clear_records, fan_out, split_to_fit
-from kvlog import records
-from kvlog.records import EventRecord
-from producer.events import (
+from hmakv.bridge.catalog import GroupCatalog
+from hmakv.bridge.fanout import clear_records, fan_out, split_to_fit
+from hmakv.kvlog import records
+from hmakv.kvlog.records import EventRecord
+from hmakv.producer.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

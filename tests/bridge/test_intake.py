@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 import zmq
 
-from bridge.intake import Intake
+from hmakv.bridge.intake import Intake
 
 WAIT_S = 10.0
 

@@ -19,11 +19,11 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.record.memory_records import MemoryRecords
 from prometheus_client import generate_latest
 
-from bridge.board import WorkerBoard, WorkerView
-from bridge.metrics import BridgeMetrics
-from bridge.outbox import KafkaRecord, Outgoing
-from bridge.sink import KafkaSink
-from kvlog.records import DeadLetter, Topics, WorkerState, decode_worker_state, event_key
+from hmakv.bridge.board import WorkerBoard, WorkerView
+from hmakv.bridge.metrics import BridgeMetrics
+from hmakv.bridge.outbox import KafkaRecord, Outgoing
+from hmakv.bridge.sink import KafkaSink
+from hmakv.kvlog.records import DeadLetter, Topics, WorkerState, decode_worker_state, event_key
 
 TOPICS = Topics("t")
 BATCH_BYTES = 400  # a few of the records below per record batch

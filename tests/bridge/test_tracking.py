@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bridge.tracking import (
+from hmakv.bridge.tracking import (
     BufferOverflow,
     CancelFetch,
     Clear,
@@ -21,7 +21,7 @@ from bridge.tracking import (
     SequenceTracker,
     Step,
 )
-from producer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from hmakv.producer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 
 STORES: list[KVEvent] = [BlockStored([1], None, [1, 2], 2, None, "GPU", None)]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.tracking import (
+from hmakv.bridge.tracking import (
     CancelFetch,
     Clear,
     Fetch,
@@ -29,7 +29,7 @@ from bridge.tracking import (
     SequenceTracker,
     Step,
 )
-from producer.events import AllBlocksCleared, BlockRemoved, KVEvent, KVEventBatch
+from hmakv.producer.events import AllBlocksCleared, BlockRemoved, KVEvent, KVEventBatch
 
 LIFE_SPAN = 1_000_000  # batch ts = life * LIFE_SPAN + seq (+ .5 live, + .25 snapshot)
 

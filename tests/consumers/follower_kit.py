@@ -13,17 +13,17 @@ from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, RecordsToDelete
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
-from consumers.follower import Follower, FollowerConfig
+from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.kafka import unique_topic
-from kvlog.kafka_client import (
+from hmakv.kvlog.kafka_client import (
     TopicSpec,
     create_consumer,
     ensure_topics,
     start_producer,
     topic_partitions,
 )
-from kvlog.records import EventRecord, Health, Retired, Topics, WorkerState, encode, event_key
-from producer.events import (
+from hmakv.kvlog.records import EventRecord, Health, Retired, Topics, WorkerState, encode, event_key
+from hmakv.producer.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -20,12 +20,12 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumers.api import ApiLimits, HashingDefaults, ScoreApi, ScoreStats, build_app
-from consumers.follower import Follower, FollowerConfig
-from consumers.metrics import index_registry
-from kvlog.records import EventRecord, Topics
-from producer.events import BlockRemoved, BlockStored, ExternalBlockHash, decode
-from producer.hashing import BlockHasher, block_extra_keys, external
+from hmakv.consumers.api import ApiLimits, HashingDefaults, ScoreApi, ScoreStats, build_app
+from hmakv.consumers.follower import Follower, FollowerConfig
+from hmakv.consumers.metrics import index_registry
+from hmakv.kvlog.records import EventRecord, Topics
+from hmakv.producer.events import BlockRemoved, BlockStored, ExternalBlockHash, decode
+from hmakv.producer.hashing import BlockHasher, block_extra_keys, external
 
 BLOCK = 16
 LIMITS = ApiLimits(max_body_bytes=64 * 1024, max_prompt_tokens=2048, max_prompt_blocks=128)

@@ -24,7 +24,7 @@ from follower_kit import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumers.service import IndexService, ServiceConfig
+from hmakv.consumers.service import IndexService, ServiceConfig
 
 pytestmark = pytest.mark.kafka
 

@@ -35,13 +35,13 @@ from follower_kit import (
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumers.api import ScoreApi, ScoreStats, build_app
-from consumers.follower import Follower
-from consumers.index import ApplyOutcome, KVIndex
-from consumers.metrics import index_registry
-from consumers.snapshots import FileSnapshotStore
-from kvlog.records import EventRecord, encode, event_key
-from producer.events import GroupSpec
+from hmakv.consumers.api import ScoreApi, ScoreStats, build_app
+from hmakv.consumers.follower import Follower
+from hmakv.consumers.index import ApplyOutcome, KVIndex
+from hmakv.consumers.metrics import index_registry
+from hmakv.consumers.snapshots import FileSnapshotStore
+from hmakv.kvlog.records import EventRecord, encode, event_key
+from hmakv.producer.events import GroupSpec
 
 pytestmark = pytest.mark.kafka
 
@@ -160,7 +160,7 @@ async def test_bad_records_are_counted_by_reason_logged_and_skipped(
         LogWriter(kafka_bootstrap, topics) as log,
         running(Follower(follower_config(kafka_bootstrap, topics))) as follower,
     ):
-        with caplog.at_level(logging.WARNING, logger="consumers.follower"):
+        with caplog.at_level(logging.WARNING, logger="hmakv.consumers.follower"):
             await log.raw(topics.events, b"w/0", b"\xc1 not msgpack")
             await log.raw(topics.events, b"w/0", b"\xc1 again")
             await log.raw(topics.events, b"no-group", encode(good))
@@ -228,7 +228,7 @@ async def test_replica_mode_reads_partitions_added_while_it_runs(
         async with LogWriter(kafka_bootstrap, topics) as log:
             await log.events(record("w0", 0, [stored([1, 2])]))
         await wait_until(lambda: follower.stats.events_applied == 1, "w0 applied")
-        with caplog.at_level(logging.INFO, logger="consumers.follower"):
+        with caplog.at_level(logging.INFO, logger="hmakv.consumers.follower"):
             await add_partitions(kafka_bootstrap, topics.events, 4)
             newcomer = next(f"w{n}" for n in range(1, 64) if partition_of(f"w{n}", 0, 4) == 3)
             async with LogWriter(kafka_bootstrap, topics) as log:
@@ -256,7 +256,7 @@ async def test_a_record_the_index_fails_on_is_counted_and_the_follower_goes_on(
     follower = Follower(follower_config(kafka_bootstrap, topics))
     follower.index = _FailingIndex(fail_at_seq=1, failure=RuntimeError)
     async with LogWriter(kafka_bootstrap, topics) as log, running(follower):
-        with caplog.at_level(logging.WARNING, logger="consumers.follower"):
+        with caplog.at_level(logging.WARNING, logger="hmakv.consumers.follower"):
             await log.events(
                 record("w", 0, [stored([1, 2])]),
                 record("w", 1, [removed([2])]),
@@ -452,7 +452,7 @@ async def test_a_newer_epoch_on_the_workers_topic_drops_the_old_life_before_its_
         await wait_until(lambda: stats.events_applied == 3, "epoch 2 applied")
         assert hit_tokens(follower, "w", [1, 2, 3]) == 32
 
-        with caplog.at_level(logging.WARNING, logger="consumers.follower"):
+        with caplog.at_level(logging.WARNING, logger="hmakv.consumers.follower"):
             for _ in range(2):  # a bridge that lost its resume point, writing it again
                 await log.state(worker_state("w", "live", epoch=1, last_seq=7))
             await wait_until(
@@ -485,7 +485,7 @@ async def test_an_older_epochs_state_leaves_the_current_lifes_catalog_and_health
         assert hit_tokens(follower, "w", [1, 2, 3, 4]) == 32  # the window holds blocks 1..2
 
         stats = follower.stats
-        with caplog.at_level(logging.INFO, logger="consumers.follower"):
+        with caplog.at_level(logging.INFO, logger="hmakv.consumers.follower"):
             await log.state(worker_state("w", "live", epoch=0, groups={0: FULL}))
             await wait_until(lambda: stats.worker_states_ignored == {"stale_epoch": 1}, "epoch 0")
         assert "ignored a state of worker w (live, epoch 0, stale_epoch)" in caplog.text
@@ -520,7 +520,7 @@ async def test_a_failed_commit_is_counted_retried_and_never_stops_the_follower(
                 await really_commit(offsets)
 
             follower._events.commit = commit
-            with caplog.at_level(logging.WARNING, logger="consumers.follower"):
+            with caplog.at_level(logging.WARNING, logger="hmakv.consumers.follower"):
                 offsets = await log.events(*(record("w", s, [stored([s + 1])]) for s in range(5)))
                 await wait_until(lambda: follower.stats.events_applied == 5, "all applied")
                 await wait_until(lambda: follower.stats.commits_failed >= 2, "commits retried")

@@ -18,7 +18,7 @@ from follower_kit import LogWriter, fresh_topics, record, stored, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from hmakv.kafka.process import free_port
-from kvlog.records import Topics
+from hmakv.kvlog.records import Topics
 
 EXIT_TIMEOUT_S = 60
 

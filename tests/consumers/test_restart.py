@@ -29,15 +29,15 @@ from follower_kit import (
 )
 from prometheus_client import generate_latest
 
-from consumers.api import ScoreStats
-from consumers.follower import Follower, FollowerConfig
-from consumers.metrics import index_registry
-from consumers.service import IndexService, ServiceConfig
-from consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore, unpack
+from hmakv.consumers.api import ScoreStats
+from hmakv.consumers.follower import Follower, FollowerConfig
+from hmakv.consumers.metrics import index_registry
+from hmakv.consumers.service import IndexService, ServiceConfig
+from hmakv.consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore, unpack
 from hmakv.kafka import unique_topic
-from kvlog.kafka_client import TopicSpec, create_consumer
-from kvlog.records import EventRecord, Topics
-from producer.events import KVEvent
+from hmakv.kvlog.kafka_client import TopicSpec, create_consumer
+from hmakv.kvlog.records import EventRecord, Topics
+from hmakv.producer.events import KVEvent
 
 pytestmark = pytest.mark.kafka
 
@@ -236,7 +236,7 @@ async def test_an_unreadable_snapshot_means_reading_the_log_from_the_start(
     async with LogWriter(kafka_bootstrap, topics) as log:
         await log.events(*records)
     follower = Follower(follower_config(kafka_bootstrap, topics), FileSnapshotStore(path))
-    with caplog.at_level(logging.ERROR, logger="consumers.follower"):
+    with caplog.at_level(logging.ERROR, logger="hmakv.consumers.follower"):
         await follower.start()
     try:
         await applied_everything(follower, len(records))
@@ -323,7 +323,7 @@ async def restarted_after_retention(
     down; it starts again from its snapshot at ``path``, its errors captured."""
     await delete_records(bootstrap, TopicPartition(config.topics.events, 0), deleted_before)
     follower = Follower(config, FileSnapshotStore(path))
-    with caplog.at_level(logging.ERROR, logger="consumers.follower"):
+    with caplog.at_level(logging.ERROR, logger="hmakv.consumers.follower"):
         await follower.start()
     return follower
 
@@ -414,7 +414,7 @@ async def test_a_snapshot_past_the_end_of_a_recreated_topic_reads_it_again_from_
     async with LogWriter(kafka_bootstrap, topics) as log:  # a bridge without its resume point
         await log.events(record("w", 0, [stored([100], spec=SWA)], epoch=0))
     second = Follower(config, FileSnapshotStore(path))
-    with caplog.at_level(logging.ERROR, logger="consumers.follower"):
+    with caplog.at_level(logging.ERROR, logger="hmakv.consumers.follower"):
         await second.start()
     try:
         await applied_everything(second, 1)

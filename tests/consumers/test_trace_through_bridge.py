@@ -17,12 +17,12 @@ import zmq.asyncio
 from follower_kit import follower_config
 from trace_kit import PROBES, Batch, agreement, walk
 
-from bridge.config import EngineConfig
-from bridge.service import BridgeService, BridgeSettings
-from consumers.service import IndexService, ServiceConfig
+from hmakv.bridge.config import EngineConfig
+from hmakv.bridge.service import BridgeService, BridgeSettings
+from hmakv.consumers.service import IndexService, ServiceConfig
 from hmakv.kafka import unique_topic
-from kvlog.records import Topics
-from producer.protocol import END_MARKER, live_frames, parse_replay_request, reply_frames
+from hmakv.kvlog.records import Topics
+from hmakv.producer.protocol import END_MARKER, live_frames, parse_replay_request, reply_frames
 
 WORKER = "vllm-0"
 ZMQ_TOPIC = b"kv-events"

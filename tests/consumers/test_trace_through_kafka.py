@@ -11,8 +11,8 @@ import pytest
 from follower_kit import LogWriter, follower_config, fresh_topics
 from trace_kit import PROBES, Batch, agreement, trace_groups, walk
 
-from bridge.fanout import fan_out
-from consumers.service import IndexService, ServiceConfig
+from hmakv.bridge.fanout import fan_out
+from hmakv.consumers.service import IndexService, ServiceConfig
 
 WORKER = "vllm-0"
 

@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 from follower_kit import wait_until
 
-from bridge.fanout import fan_out
-from producer.events import KVEventBatch, decode
+from hmakv.bridge.fanout import fan_out
+from hmakv.producer.events import KVEventBatch, decode
 
 TRACE = Path(__file__).parents[1] / "data" / "vllm-trace-swa-small-seed1.jsonl.gz"
 PROBES = 120

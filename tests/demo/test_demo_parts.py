@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.config import load_engines_file
+from hmakv.bridge.config import load_engines_file
 from hmakv.cli import build_parser
 from hmakv.commands.demo import engines_of
 from hmakv.demo.client import GroupSpecView, WorkerView
@@ -21,7 +21,7 @@ from hmakv.demo.promtext import MetricsPage, bucket_difference, bucket_quantile
 from hmakv.demo.recordlog import RecordLog
 from hmakv.demo.run import EngineEndpoints, bridge_engines_toml
 from hmakv.demo.summary import read_engine_exit, too_few_compared
-from producer.events import GroupSpec
+from hmakv.producer.events import GroupSpec
 
 HMAKV = Path(sys.executable).with_name("hmakv")
 FULL = GroupSpecView(kind="full_attention", block_size=16)

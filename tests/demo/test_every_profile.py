@@ -18,7 +18,7 @@ from typing import Any
 from test_demo import finish, start_demo
 
 from hmakv.demo.config import ENGINE_WORKLOADS
-from producer.engine.profiles import PROFILES
+from hmakv.producer.engine.profiles import PROFILES
 
 RUN_S = 15
 MIN_COMPARED_PER_ENGINE = 10

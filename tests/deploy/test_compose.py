@@ -32,7 +32,7 @@ import jsonschema
 import pytest
 import yaml
 
-from bridge.config import load_engines_file
+from hmakv.bridge.config import load_engines_file
 from hmakv.cli import build_parser
 from hmakv.kafka.jars import kafka_version
 from hmakv.kafka.process import free_port
@@ -43,6 +43,8 @@ COMPOSE_FILE = REPO / "compose.yaml"
 COMPOSE_SCHEMA = REPO.parent / "shared" / "schemas" / "compose-spec.json"
 DOCKERIGNORE = REPO / ".dockerignore"
 PACKAGES = ("producer", "kvlog", "bridge", "consumers", "hmakv")
+# hmakv/<name> links to the top-level package <name>: the repository's layout, one namespace.
+LINKED = {(name,) for name in PACKAGES if name != "hmakv"}
 
 # Subcommands that serve Prometheus /metrics, scraped as job "hmakv-<subcommand>".
 METRICS_SUBCOMMANDS = ("bridge", "index")
@@ -696,7 +698,10 @@ def _build_context() -> list[str]:
                 n and (p.startswith(prefix + d + "/") or p.startswith("**")) for n, p, _ in rules
             )
         ]
-        files.extend(prefix + f for f in filenames if not _excluded(rules, prefix + f))
+        # A link to a directory is sent as the link (Docker does not follow it): a file here.
+        links = [d for d in dirnames if (Path(directory) / d).is_symlink()]
+        dirnames[:] = [d for d in dirnames if d not in links]
+        files.extend(prefix + f for f in [*filenames, *links] if not _excluded(rules, prefix + f))
     return sorted(files)
 
 
@@ -738,7 +743,10 @@ def test_image_installs_from_exactly_what_the_build_context_sends(tmp_path: Path
                 inside = Path(path).name if path == source else path[len(source) + 1 :]
                 target = src / destination / inside
                 target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(REPO / path, target)
+                if (REPO / path).is_symlink():
+                    target.symlink_to(os.readlink(REPO / path))
+                else:
+                    shutil.copy2(REPO / path, target)
 
     site = tmp_path / "site"
     install = subprocess.run(
@@ -751,18 +759,17 @@ def test_image_installs_from_exactly_what_the_build_context_sends(tmp_path: Path
     assert install.returncode == 0, install.stdout + install.stderr
     assert (site / "bin" / "hmakv").is_file(), "the image's ENTRYPOINT script was not installed"
 
+    # Every package of the repository's top level lands inside the one namespace, hmakv.
     repo_modules = {
-        path.relative_to(REPO).as_posix()
+        ("" if package == "hmakv" else "hmakv/") + path.relative_to(REPO).as_posix()
         for package in PACKAGES
         for path in (REPO / package).rglob("*.py")
-        if "__pycache__" not in path.parts
+        if "__pycache__" not in path.parts and path.relative_to(REPO).parts[1:2] not in LINKED
     }
-    installed = {
-        path.relative_to(site).as_posix()
-        for package in PACKAGES
-        for path in (site / package).rglob("*.py")
-    }
+    installed = {path.relative_to(site).as_posix() for path in (site / "hmakv").rglob("*.py")}
     assert installed == repo_modules
+    top_level = {p.name for p in site.iterdir() if not p.name.endswith(".dist-info")}
+    assert top_level == {"hmakv", "bin"}
 
     probe = (
         "import sys; sys.path[:0] = [sys.argv[1]]; sys.path.extend(sys.argv[2:])\n"

@@ -5,10 +5,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from producer.engine import HybridCacheManager, ModelProfile
-from producer.engine.hit_rule import hash_block_size
-from producer.events import AllBlocksCleared, BlockRemoved, BlockStored, ExternalBlockHash, KVEvent
-from producer.hashing import BlockHasher, external
+from hmakv.producer.engine import HybridCacheManager, ModelProfile
+from hmakv.producer.engine.hit_rule import hash_block_size
+from hmakv.producer.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVEvent,
+)
+from hmakv.producer.hashing import BlockHasher, external
 
 
 class CountingIndex:

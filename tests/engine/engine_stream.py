@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 
 import zmq
 
-from producer.events import ExternalBlockHash, KVEvent, KVEventBatch, decode
-from producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq, replay_request
+from hmakv.producer.events import ExternalBlockHash, KVEvent, KVEventBatch, decode
+from hmakv.producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq, replay_request
 
 WAIT_S = 20.0  # bound on every wait; tests never sleep for a fixed time
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from producer.engine.block_pool import BlockPool, KVBlock, RequestBlocks
-from producer.events import BlockRemoved, BlockStored, GroupSpec
-from producer.hashing import external
-from producer.recorder import EventRecorder
+from hmakv.producer.engine.block_pool import BlockPool, KVBlock, RequestBlocks
+from hmakv.producer.events import BlockRemoved, BlockStored, GroupSpec
+from hmakv.producer.hashing import external
+from hmakv.producer.recorder import EventRecorder
 
 GROUPS = (
     GroupSpec(kind="full_attention", block_size=2),

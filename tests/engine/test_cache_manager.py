@@ -7,9 +7,9 @@ from collections import Counter
 
 from engine_replay import CountingIndex, probe_hashes, resident_counts
 
-from producer.engine import Admission, HybridCacheManager, ModelProfile, get_profile
-from producer.engine.hit_rule import find_longest_cache_hit
-from producer.events import (
+from hmakv.producer.engine import Admission, HybridCacheManager, ModelProfile, get_profile
+from hmakv.producer.engine.hit_rule import find_longest_cache_hit
+from hmakv.producer.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -17,7 +17,7 @@ from producer.events import (
     KVEvent,
     KVEventBatch,
 )
-from producer.recorder import EventRecorder
+from hmakv.producer.recorder import EventRecorder
 
 
 def make(name: str, num_blocks: int | None = None) -> tuple[HybridCacheManager, ModelProfile]:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import pytest
 from engine_replay import CountingIndex, probe_hashes, resident_counts
 
-from producer.engine import PROFILES, HybridCacheManager, ModelProfile, get_profile
-from producer.engine.hit_rule import alignment_tokens, find_longest_cache_hit
-from producer.events import BlockRemoved, BlockStored, KVEvent
-from producer.recorder import EventRecorder
+from hmakv.producer.engine import PROFILES, HybridCacheManager, ModelProfile, get_profile
+from hmakv.producer.engine.hit_rule import alignment_tokens, find_longest_cache_hit
+from hmakv.producer.events import BlockRemoved, BlockStored, KVEvent
+from hmakv.producer.recorder import EventRecorder
 
 
 def prompt_scale(profile: ModelProfile) -> int:

@@ -14,15 +14,15 @@ from engine_replay import CountingIndex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer.engine import find_longest_cache_hit, get_profile
-from producer.engine.hit_rule import (
+from hmakv.producer.engine import find_longest_cache_hit, get_profile
+from hmakv.producer.engine.hit_rule import (
     UnsupportedGroup,
     alignment_tokens,
     is_reachable_block,
     required_blocks,
 )
-from producer.events import GroupSpec, KVEventBatch
-from producer.hashing import group_block_hashes
+from hmakv.producer.events import GroupSpec, KVEventBatch
+from hmakv.producer.hashing import group_block_hashes
 
 TRACE = Path(__file__).parent.parent / "data" / "vllm-trace-swa-small-seed1.jsonl.gz"
 

@@ -13,13 +13,13 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from producer.engine.cache_manager import HybridCacheManager
-from producer.engine.hit_rule import (
+from hmakv.producer.engine.cache_manager import HybridCacheManager
+from hmakv.producer.engine.hit_rule import (
     UnsupportedGroup,
     alignment_tokens,
     required_blocks,
 )
-from producer.engine.model import (
+from hmakv.producer.engine.model import (
     AttentionMixer,
     HybridModel,
     MambaMixer,
@@ -27,10 +27,10 @@ from producer.engine.model import (
     default_device,
     layer_groups,
 )
-from producer.engine.paged_attention import NULL_BLOCK, BlockTableError, visible_mask
-from producer.engine.profiles import ModelDims, ModelProfile, get_profile
-from producer.events import MAMBA_KIND, GroupSpec
-from producer.recorder import EventRecorder
+from hmakv.producer.engine.paged_attention import NULL_BLOCK, BlockTableError, visible_mask
+from hmakv.producer.engine.profiles import ModelDims, ModelProfile, get_profile
+from hmakv.producer.events import MAMBA_KIND, GroupSpec
+from hmakv.producer.recorder import EventRecorder
 
 FULL = GroupSpec(kind="full_attention", block_size=4)
 WINDOW = 6

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from producer.engine import PROFILES, HybridCacheManager, UnknownProfile, get_profile
-from producer.events import GroupSpec
-from producer.recorder import EventRecorder
+from hmakv.producer.engine import PROFILES, HybridCacheManager, UnknownProfile, get_profile
+from hmakv.producer.events import GroupSpec
+from hmakv.producer.recorder import EventRecorder
 
 TRACE = Path(__file__).parent.parent / "data" / "vllm-trace-swa-small-seed1.jsonl.gz"
 

@@ -38,10 +38,10 @@ from engine_stream import (
 )
 
 from hmakv.kafka.process import free_port
-from producer.engine.api import EngineStopped
-from producer.engine.hit_rule import find_longest_cache_hit
-from producer.engine.runner import Engine, EngineConfig, EngineSummary
-from producer.events import BlockRemoved, BlockStored, KVEventBatch
+from hmakv.producer.engine.api import EngineStopped
+from hmakv.producer.engine.hit_rule import find_longest_cache_hit
+from hmakv.producer.engine.runner import Engine, EngineConfig, EngineSummary
+from hmakv.producer.events import BlockRemoved, BlockStored, KVEventBatch
 
 
 @pytest.fixture
@@ -390,7 +390,7 @@ def test_queries_to_a_stopped_engine_fail_instead_of_hanging() -> None:
 
 SIGNAL_STORM = """
 import os, signal, threading, time
-from producer.engine.runner import Engine, EngineConfig
+from hmakv.producer.engine.runner import Engine, EngineConfig
 
 signal.signal(signal.SIGUSR1, lambda signum, frame: None)
 engine = Engine(EngineConfig(

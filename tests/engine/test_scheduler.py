@@ -14,18 +14,18 @@ from collections.abc import Sequence
 
 import pytest
 
-from producer.engine import PROFILES, HybridCacheManager, ModelProfile, get_profile
-from producer.engine.model_sampler import ModelSampler
-from producer.engine.scheduler import (
+from hmakv.producer.engine import PROFILES, HybridCacheManager, ModelProfile, get_profile
+from hmakv.producer.engine.model_sampler import ModelSampler
+from hmakv.producer.engine.scheduler import (
     FinishReason,
     ScheduledChunk,
     Scheduler,
     StepResult,
     SyntheticSampler,
 )
-from producer.engine.workloads import RandomPrefixWorkload
-from producer.events import KVEventBatch
-from producer.recorder import EventRecorder
+from hmakv.producer.engine.workloads import RandomPrefixWorkload
+from hmakv.producer.events import KVEventBatch
+from hmakv.producer.recorder import EventRecorder
 
 MAX_STEPS = 20_000
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer.engine.workloads import (
+from hmakv.producer.engine.workloads import (
     WORKLOADS,
     ArrivalSchedule,
     ChatWorkload,

@@ -35,13 +35,13 @@ from hmakv.demo.probe import Comparison
 from hmakv.demo.promtext import MetricsPage
 from hmakv.demo.vllm_probe import VllmEngine, VllmProber
 from hmakv.kafka import unique_topic
+from hmakv.producer.events import AllBlocksCleared, BlockStored, ExternalBlockHash, KVEvent, decode
+from hmakv.producer.hashing import BlockHasher, external
+from hmakv.producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq, replay_request
 from hmakv.vllm.profiles import HASH_FN, HASH_SEED
 from hmakv.vllm.server import SERVED_MODEL_NAME
 from hmakv.vllm.witness import ALL_GROUPS, WitnessState
 from hmakv.vllm.workload import VllmPrompts
-from producer.events import AllBlocksCleared, BlockStored, ExternalBlockHash, KVEvent, decode
-from producer.hashing import BlockHasher, external
-from producer.protocol import END_SEQ_FRAME, SNAPSHOT_REQUEST, decode_seq, replay_request
 
 pytestmark = [pytest.mark.kafka, pytest.mark.vllm, pytest.mark.timeout(900)]
 
