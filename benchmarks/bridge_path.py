@@ -39,19 +39,15 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 from hmakv.bridge.board import WorkerBoard  # noqa: E402
 from hmakv.bridge.catalog import GroupCatalog  # noqa: E402
+from hmakv.bridge.channel import SourceSettings, WorkerChannel  # noqa: E402
 from hmakv.bridge.config import WorkerAddress  # noqa: E402
+from hmakv.bridge.deadletter import DeadLetterOffice  # noqa: E402
 from hmakv.bridge.fanout import fan_out  # noqa: E402
 from hmakv.bridge.intake import DEFAULT_ROUND_LIMIT, Intake  # noqa: E402
 from hmakv.bridge.metrics import BridgeMetrics  # noqa: E402
 from hmakv.bridge.relay import WorkerRelay  # noqa: E402
 from hmakv.bridge.sink import KafkaSink  # noqa: E402
-from hmakv.bridge.source import (  # noqa: E402
-    ConnectedSource,
-    DeadLetterOffice,
-    SourceSettings,
-    SubscriberDeps,
-    WorkerChannel,
-)
+from hmakv.bridge.source import ConnectedSource, SubscriberDeps  # noqa: E402
 from hmakv.bridge.tracking import SequenceTracker  # noqa: E402
 from hmakv.commands.bridge import tune_garbage_collector  # noqa: E402
 from hmakv.kvlog import records  # noqa: E402

@@ -20,6 +20,14 @@ from hmakv.producer.events import GroupSpec
 
 @dataclass
 class WorkerView:
+    """What the workers topic says, or is about to say, of one worker.
+
+    ``epoch`` is the epoch the topic announces, not the worker's: the worker's is its tracker's
+    (``WorkerRelay.epoch``), which opens an epoch before the sink announces it with the epoch's
+    first record (``begin_epoch``). The board only ever catches up with it, so whoever needs the
+    worker's own epoch (a retirement, a position kept over a reload) asks the relay.
+    """
+
     health: Health = "live"
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     data_parallel_rank: int | None = None
@@ -53,12 +61,12 @@ class WorkerBoard:
             self._last.append(self._handed_out(worker, view, now))
 
     def retire(self, worker: str, epoch: int, now: float) -> WorkerState | None:
-        """The worker left the fleet: its last state, ``retired`` at ``epoch`` (the newest its
-        tracker reached: records of it may still be queued), is the last written for it."""
+        """The worker left the fleet: its last state, ``retired`` at ``epoch`` (the worker's, as
+        its relay says: records of it may still be queued), is the last written for it."""
         view = self.views.pop(worker, None)
         if view is None:
             return None
-        view.epoch = max(view.epoch, epoch)
+        view.epoch = epoch
         state = msgspec.structs.replace(self._state(worker, view, now), health=RETIRED)
         self._unsettled[worker] = state
         self._last.append(state)

@@ -15,9 +15,6 @@ from dataclasses import dataclass
 from hmakv.producer.events import DecodedBatch, WireDecodeError, decode
 from hmakv.producer.protocol import Malformed, ReplyEnd, SeqFrames, parse_live, parse_reply
 
-# The llm-d convention for a publisher's topic: kv@<pod-id>@<model>.
-_LLMD_PREFIX = "kv@"
-
 
 class RejectReason(enum.Enum):
     """Why a message was not used; the value is the Prometheus label and dead-letter header."""
@@ -70,14 +67,3 @@ def decode_payload(
         return decode(message.payload, max_bytes=max_bytes)
     except WireDecodeError as error:
         return Rejected(RejectReason.PAYLOAD_UNDECODABLE, str(error), frames, message.seq)
-
-
-def llmd_pod(topic: bytes) -> str | None:
-    """The pod id of an llm-d style topic ``kv@<pod-id>@<model>``, or None if it is not one."""
-    text = topic.decode("utf-8", "replace")
-    if not text.startswith(_LLMD_PREFIX):
-        return None
-    pod, sep, model = text[len(_LLMD_PREFIX) :].partition("@")
-    if not sep or not pod or not model or "/" in pod:
-        return None
-    return pod

@@ -9,6 +9,8 @@ ZMQ's FD is edge-triggered and only says "look at ZMQ_EVENTS": a wait therefore 
 ``EVENTS`` before sleeping, so a message that arrived before the wait is never slept through.
 ``readable_now`` and ``take_ready`` are that check and the non-blocking drain; the intake
 (``bridge.intake``) polls its SUB sockets and takes one message of each ready one at a time.
+``receive_ready`` is both with a wait, for a fetch's DEALER: one await, then every message already
+there (up to a limit, for fairness) without awaiting.
 """
 
 from __future__ import annotations
@@ -84,3 +86,18 @@ class Readable:
     def close(self) -> None:
         """Unregister; the caller closes the socket afterwards."""
         self._loop.remove_reader(self._fd)
+
+
+async def receive_ready(
+    sock: zmq.Socket[bytes], readable: Readable, limit: int, timeout: float | None = None
+) -> list[list[bytes]] | None:
+    """Every message the socket has ready (up to ``limit``), awaiting only when there is none.
+
+    None when ``timeout`` seconds passed without a message.
+    """
+    while True:
+        messages = take_ready(sock, limit)
+        if messages:
+            return messages
+        if not await readable.wait(timeout):
+            return None

@@ -1,4 +1,4 @@
-"""One worker's path from tracker steps to Kafka records, without I/O.
+"""One worker's path from its inputs to Kafka records, without I/O.
 
 The tracker decides what to forward; the relay turns each decision into encoded records (after
 letting the group catalog learn from the batch, so that a clear reaches groups first seen in the
@@ -6,6 +6,13 @@ same batch) and tells its shell what else to do: fetches to start or cancel, and
 for metrics and logs. A group's record that would exceed Kafka's size limit is split over parts
 (an engine's snapshot of a large cache); a batch with one event too large for any record cannot
 be written: the relay asks the tracker to count it as lost, which clears and degrades the worker.
+
+The relay is the only door to its ``SequenceTracker``. Every input (a live or fetched batch, a
+fetch's end or failure, a refusal) goes in through it and comes back as a ``Handled``: a step
+the shell took from the tracker itself would skip the encoding, and a batch lost on the way
+(too large to write) changes the tracker's answer after the fact. What the shell says of the
+worker (epoch, health, position) it asks here too, so the tracker stays the one owner of the
+worker's epoch; the board only says which epoch the workers topic announces.
 """
 
 from __future__ import annotations
@@ -23,8 +30,8 @@ from hmakv.bridge.tracking import (
     Step,
 )
 from hmakv.kvlog import records
-from hmakv.kvlog.records import EventRecord, Topics
-from hmakv.producer.events import AllBlocksCleared
+from hmakv.kvlog.records import EventRecord, Health, Topics
+from hmakv.producer.events import AllBlocksCleared, KVEventBatch
 
 
 class Handled:
@@ -42,6 +49,11 @@ class Handled:
 
 
 class WorkerRelay:
+    """One worker's tracker, catalog and record encoding; each input returns what to do.
+
+    ``now`` (the bridge's clock) is the timestamp of the clears an input may cause.
+    """
+
     def __init__(
         self,
         worker: str,
@@ -53,13 +65,60 @@ class WorkerRelay:
         max_record_bytes: int,
     ) -> None:
         self.worker = worker
-        self.tracker = tracker
+        self._tracker = tracker
         self.catalog = catalog
         self._topic = topics.events
         self._rank = data_parallel_rank
         self._max_record_bytes = max_record_bytes
         self._keys: dict[int, bytes] = {}  # by group: the key never changes
         self._headers = records.EventHeaders(worker)
+
+    # --- what the worker is ---------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The worker's epoch: the newest its tracker opened, which the workers topic may not
+        announce yet (the records opening it still queued)."""
+        return self._tracker.epoch
+
+    @property
+    def health(self) -> Health:
+        return self._tracker.health
+
+    @property
+    def last_seq(self) -> int:
+        """The last seq forwarded (or resumed from); -1 before any."""
+        return self._tracker.next_seq - 1
+
+    # --- inputs: the tracker's protocol (see ``bridge.tracking``), each answer handled -----------
+
+    def start(self, now: float) -> Handled:
+        return self.handle(self._tracker.start(), now)
+
+    def on_connected(self, now: float) -> Handled:
+        return self.handle(self._tracker.on_connected(), now)
+
+    def on_live(self, seq: int, batch: KVEventBatch, now: float) -> Handled:
+        return self.handle(self._tracker.on_live(seq, batch), now)
+
+    def on_undecodable(self, seq: int, now: float) -> Handled:
+        return self.handle(self._tracker.on_undecodable(seq), now)
+
+    def on_fetched(
+        self, fetch_id: int, seq: int, batch: KVEventBatch | None, now: float
+    ) -> Handled:
+        return self.handle(self._tracker.on_fetched(fetch_id, seq, batch), now)
+
+    def on_fetch_end(self, fetch_id: int, now: float) -> Handled:
+        return self.handle(self._tracker.on_fetch_end(fetch_id), now)
+
+    def on_fetch_failed(self, fetch_id: int, cause: str, now: float) -> Handled:
+        return self.handle(self._tracker.on_fetch_failed(fetch_id, cause), now)
+
+    def on_delivery_failed(self, epoch: int, seq: int, now: float) -> Handled:
+        return self.handle(self._tracker.on_delivery_failed(epoch, seq), now)
+
+    # --- steps into records ----------------------------------------------------------------------
 
     def handle(self, steps: list[Step], now: float) -> Handled:
         """Everything the shell must do for these steps, in order.
@@ -77,13 +136,13 @@ class WorkerRelay:
                     lost = True
                     cleared_later = _clears_after(steps, index)
                     limit = self._max_record_bytes
-                    for answer in self.tracker.on_unwritable(step.seq, limit, cleared_later):
+                    for answer in self._tracker.on_unwritable(step.seq, limit, cleared_later):
                         self._handle(answer, handled, now)
             else:
                 self._handle(step, handled, now)
         if lost:
             handled.events = [e for e in handled.events if type(e) is not HealthChanged]
-            handled.events.append(HealthChanged(self.tracker.health))
+            handled.events.append(HealthChanged(self._tracker.health))
         return handled
 
     def _handle(self, step: Step, handled: Handled, now: float) -> None:

@@ -1,4 +1,11 @@
-"""The bridge service: topics, resume, sources, sink, health server, reload and shutdown.
+"""The bridge service: the parts assembled and run, from start-up through reloads to shutdown.
+
+``BridgeService`` owns the life cycle and nothing below it: what starts in which order, what a
+reload changes, when the bridge is ready, how it stops. The parts do the work: the sink
+(``bridge.sink``) writes to Kafka, the sources (``bridge.source``) receive, each worker's channel
+(``bridge.channel``) carries out its relay's answers, and the roster (``bridge.roster``) says who
+sent what on the bound socket. ``BridgeSettings`` and ``check_topology`` are what it is given
+and whether that can run.
 
 Start-up order matters: Kafka first (topics, producer), then the workers topic read to its end,
 so that every worker's tracker starts from where the previous bridge left it, and only then the
@@ -21,23 +28,17 @@ from aiokafka.errors import KafkaError
 
 from hmakv.bridge.board import WorkerBoard
 from hmakv.bridge.catalog import GroupCatalog
+from hmakv.bridge.channel import SourceSettings, WorkerChannel
 from hmakv.bridge.config import ConfigError, EngineConfig, WorkerAddress
-from hmakv.bridge.frames import llmd_pod
+from hmakv.bridge.deadletter import DeadLetterOffice
 from hmakv.bridge.health import Readiness, health_app, serve
 from hmakv.bridge.intake import Intake
 from hmakv.bridge.metrics import BridgeMetrics
 from hmakv.bridge.relay import WorkerRelay
 from hmakv.bridge.resume import read_worker_states
+from hmakv.bridge.roster import BoundRoster
 from hmakv.bridge.sink import KafkaSink
-from hmakv.bridge.source import (
-    BoundSource,
-    ConnectedSource,
-    DeadLetterOffice,
-    SourceSettings,
-    SourceState,
-    SubscriberDeps,
-    WorkerChannel,
-)
+from hmakv.bridge.source import BoundSource, ConnectedSource, SourceState, SubscriberDeps
 from hmakv.bridge.tracking import DEFAULT_MAX_BUFFERED, ResumePoint, SequenceTracker
 from hmakv.kvlog.kafka_client import (
     KafkaSecurity,
@@ -46,24 +47,15 @@ from hmakv.kvlog.kafka_client import (
     ensure_topics,
     start_producer,
 )
-from hmakv.kvlog.records import DEFAULT_TOPIC_PREFIX, RETIRED, Topics, WorkerState, worker_id
+from hmakv.kvlog.records import DEFAULT_TOPIC_PREFIX, RETIRED, Topics, WorkerState
 from hmakv.producer.events import DEFAULT_MAX_PAYLOAD_BYTES
 from hmakv.producer.protocol import offset_endpoint_port
 
 log = logging.getLogger(__name__)
 
 _PROBE_INTERVAL_S = 2.0
-# A worker named by topic that has sent nothing for this long may give its place to a new one at
-# --max-workers: llm-d replaces pods under new names, and the old ones never publish again.
-RETIRE_SILENT_AFTER_S = 300.0
 _REREAD_TIMEOUT_S = 10.0
 _RECORD_MARGIN_BYTES = 64 * 1024  # a record batch's own overhead around its largest record
-
-
-@dataclass
-class _TopicWorker:
-    pod: str
-    last_seen: float  # monotonic
 
 
 @dataclass(frozen=True)
@@ -132,9 +124,9 @@ class BridgeService:
         self._channels: dict[str, WorkerChannel] = {}
         self._sources: dict[str, tuple[ConnectedSource, asyncio.Task[None]]] = {}
         self._bound: tuple[BoundSource, asyncio.Task[None]] | None = None
-        self._by_topic: dict[bytes, EngineConfig] = {}
-        # Workers named by an llm-d style topic: whose each is, and when it last sent something.
-        self._topic_workers: dict[str, _TopicWorker] = {}
+        self._roster = BoundRoster(
+            self._channels, self._join, self._retire_joined, max_workers=settings.max_workers
+        )
         # The workers topic as read at start (and on reload), with the workers retired since:
         # where a worker this bridge does not follow yet would resume.
         self._known: dict[str, WorkerState] = {}
@@ -193,7 +185,7 @@ class BridgeService:
             self._add_engine(engine, resumed)
         if self.settings.bind_sub is not None:
             endpoints = bound_endpoints(self.settings)
-            bound = BoundSource(endpoints, self._route, self._sole_channel, self._deps())
+            bound = BoundSource(endpoints, self._roster, self._deps())
             self._bound = (bound, asyncio.create_task(bound.run()))
         self._count_sources()
         self._started = True
@@ -295,7 +287,7 @@ class BridgeService:
             for channel in channels:
                 # Read once nothing more changes it: a refusal reported while channels closed
                 # opened a newer epoch, in which the engine goes on should it stay.
-                if (position := self._position(channel)) is not None:
+                if (position := channel.position()) is not None:
                     positions[channel.worker] = position
                 self._forget(channel, retire=channel.worker in leaving)
         for name, engine in wanted.items():
@@ -421,7 +413,7 @@ class BridgeService:
 
     def _add_engine(self, engine: EngineConfig, resumed: Mapping[str, WorkerState]) -> None:
         if engine.endpoint is None:
-            self._by_topic[engine.topic.encode()] = engine
+            self._roster.add(engine)
         for address in engine.workers():
             channel = self._new_channel(address, engine, resumed.get(address.worker))
             if engine.endpoint is None:  # its messages come through the bound socket
@@ -438,10 +430,7 @@ class BridgeService:
         board and the sink, for the caller to forget)."""
         closed = []
         for engine in engines:
-            topic = engine.topic.encode()
-            routed = self._by_topic.get(topic)  # a connected engine may share a bound one's topic
-            if routed is not None and routed.name == engine.name:
-                del self._by_topic[topic]
+            self._roster.remove(engine)
             channels = []
             for address in engine.workers():
                 entry = self._sources.pop(address.worker, None)
@@ -511,76 +500,20 @@ class BridgeService:
         self._channels[address.worker] = channel
         return channel
 
-    def _route(self, topic: bytes, rank: int | None) -> WorkerChannel | str:
-        """The channel of a message on the bound socket, or why it has none."""
-        engine = self._by_topic.get(topic)
-        if engine is not None:
-            address = engine.worker_for_rank(rank)
-            if address is None:
-                return f"engine {engine.name!r} has no DP rank {rank} (see its dp_ranks)"
-            return self._channels[address.worker]
-        pod = llmd_pod(topic)
-        if pod is None:
-            return f"topic {topic!r} is no configured engine's and not kv@<pod-id>@<model>"
-        worker = pod if rank in (None, 0) else worker_id(pod, rank)
-        channel = self._channels.get(worker)
-        known = self._topic_workers.get(worker)
-        if channel is not None and known is not None:
-            if known.pod != pod:  # pod "p" at rank 1 and pod "p-dp1" are both "p-dp1"
-                return f"worker {worker!r} is pod {known.pod!r}'s, not pod {pod!r}'s"
-            known.last_seen = time.monotonic()
-            return channel
-        if channel is not None:
-            return f"worker {worker!r} is a configured engine with another topic"
-        if len(self._topic_workers) >= self.settings.max_workers and not self._retire_silent():
-            return f"more than {self.settings.max_workers} workers named by topic (--max-workers)"
-        self._topic_workers[worker] = _TopicWorker(pod, time.monotonic())
-        address = WorkerAddress(worker, rank, None, None)
-        channel = self._new_channel(address, None, self._known.get(worker))
+    def _join(self, address: WorkerAddress) -> WorkerChannel:
+        """The channel of a worker joining through the bound socket by its topic; it resumes
+        from the workers topic too, in the epoch it had."""
+        channel = self._new_channel(address, None, self._known.get(address.worker))
         channel.start()
-        log.info("worker %r joined through topic %r", worker, topic)
         return channel
 
-    def _sole_channel(self, topic: bytes) -> WorkerChannel | None:
-        """The channel of a configured engine with one worker, if the topic is its. A pod's
-        topic may stand for several DP ranks, and a frame nobody can read must not make one."""
-        engine = self._by_topic.get(topic)
-        if engine is None:
-            return None
-        workers = engine.workers()
-        return self._channels.get(workers[0].worker) if len(workers) == 1 else None
-
-    def _retire_silent(self) -> bool:
-        """Retire the topic-named worker silent longest, if for ``RETIRE_SILENT_AFTER_S``;
-        whether one was. Nothing says the pod is gone, but nothing follows it from now on, so
-        consumers must not serve its cache; should it speak again, it comes back as a new life.
-        """
-        silent = min(self._topic_workers, key=lambda worker: self._topic_workers[worker].last_seen)
-        idle = time.monotonic() - self._topic_workers[silent].last_seen
-        if idle < RETIRE_SILENT_AFTER_S:
-            return False
-        del self._topic_workers[silent]
-        channel = self._channels.pop(silent)
+    def _retire_joined(self, worker: str) -> None:
+        """Stop following a worker that joined by topic, retired (the roster made room)."""
+        channel = self._channels.pop(worker)
         self._forget(channel, retire=True)
         closing = asyncio.create_task(channel.close())
         self._retiring.add(closing)
         closing.add_done_callback(self._retiring.discard)
-        log.info("worker %r retired after %.0f s without a message (--max-workers)", silent, idle)
-        return True
-
-    def _position(self, channel: WorkerChannel) -> WorkerState | None:
-        """A worker's position as a resume point, for an engine that restarts on reload.
-
-        Its tracker may be in a newer epoch than Kafka holds yet (a restart or a refusal just
-        seen, its clear still queued): the reloaded engine goes on in that epoch, since the
-        queued records of it still reach consumers, who would ignore the older one's after them.
-        """
-        worker = channel.worker
-        view = self._board.views.get(worker)
-        if view is None:
-            return None
-        epoch = max(view.epoch, channel.relay.tracker.epoch)
-        return WorkerState(worker, epoch, view.last_seq, view.health, view.groups, view.last_ts)
 
     def _deps(self) -> SubscriberDeps:
         assert self._office is not None and self._intake is not None

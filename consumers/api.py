@@ -2,7 +2,9 @@
 
 One route table (``ROUTES`` built by ``routes``) both registers the handlers and generates the
 OpenAPI 3.1 document at ``/openapi.json`` from the same msgspec structs that validate requests
-and encode responses, so the document cannot drift from what the server does.
+and encode responses, so the document cannot drift from what the server does. The answer's
+structs, and the rule that names the best worker, are ``kvlog.answers``: the index builds those
+structs and the demo decodes them, so the three share one definition.
 
 Every error, aiohttp's own (404, 405, 413) included, is a JSON body ``{"error": "..."}``.
 """
@@ -11,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -21,8 +23,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from hmakv.consumers.follower import Follower
-from hmakv.consumers.index import WorkerInfo, WorkerScore
-from hmakv.consumers.metrics import SCORE_DURATION_BUCKETS, Buckets
+from hmakv.consumers.index import WorkerInfo
+from hmakv.consumers.stats import ScoreStats
+from hmakv.kvlog.answers import ScoreResponse, WorkerHit, group_blind_answer, hma_best
 from hmakv.kvlog.records import Health
 from hmakv.producer.events import ExternalBlockHash, GroupSpec
 from hmakv.producer.hashing import (
@@ -63,32 +66,6 @@ class ApiLimits:
     max_worker_filter: int = 4096
 
 
-@dataclass
-class ScoreStats:
-    """Score requests by outcome, their durations and what they answered, for the exporter.
-
-    Plain ints bumped per request and read by the collector at scrape time: the HMA-aware and the
-    group-blind answers' predicted hit tokens (each answer's best worker, 0 without one), summed
-    over answered requests, and how many requests the two answers named different best workers.
-    """
-
-    requests: dict[str, int] = field(default_factory=lambda: {"ok": 0, "rejected": 0})
-    duration: Buckets = field(default_factory=lambda: Buckets(SCORE_DURATION_BUCKETS))
-    hma_hit_tokens: int = 0
-    group_blind_hit_tokens: int = 0
-    best_differs: int = 0
-
-    def record(self, outcome: str, seconds: float) -> None:
-        self.requests[outcome] = self.requests.get(outcome, 0) + 1
-        self.duration.observe(seconds)
-
-    def record_answer(self, hma_hit_tokens: int, blind: GroupBlindAnswer, best: str | None) -> None:
-        self.hma_hit_tokens += hma_hit_tokens
-        self.group_blind_hit_tokens += blind.hit_tokens
-        if blind.best != best:
-            self.best_differs += 1
-
-
 # ----------------------------------------------------------------------------- wire structs
 
 Doc = msgspec.Meta
@@ -125,57 +102,6 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     workers: Annotated[
         list[str] | None, Doc(description="score only these (unknown: left out)")
     ] = None
-
-
-class WorkerHit(msgspec.Struct, kw_only=True):
-    """One worker's prefix hit for the prompt, as vLLM's hybrid lookup would find it."""
-
-    worker: str
-    hit_tokens: Annotated[int, Doc(description="the hit vLLM's lookup finds on the worker's GPU")]
-    hit_blocks: int
-    groups: Annotated[dict[int, int], Doc(description="per group: the hit it alone accepts")]
-    tiers: Annotated[dict[str, int], Doc(description="per medium: the hit with it and faster")]
-    score: Annotated[float, Doc(description="tokens weighted by the slowest tier each needs")]
-    health: Health
-    degraded: Annotated[bool, Doc(description="not live: its cache may differ from the index")]
-    catalog_ok: Annotated[
-        bool, Doc(description="false when its groups are unknown: 0 means no answer")
-    ]
-    group_blind_hit_tokens: Annotated[int, Doc(description="an index ignoring groups would say")]
-    stale_groups: Annotated[
-        list[int],
-        Doc(
-            description="group mode: groups whose partition this follower no longer reads; "
-            "their blocks may be gone, so the worker is never the best"
-        ),
-    ]
-    hash_lookahead: Annotated[
-        int,
-        Doc(
-            description="tokens past each block that the worker's hashes cover (vLLM's EAGLE "
-            "lookahead hashing; 0: classic hashes). token_ids are hashed that way for this "
-            "worker; given block_hashes are used as they are for every worker"
-        ),
-    ] = 0
-
-
-class GroupBlindAnswer(msgspec.Struct, kw_only=True):
-    """What an index ignoring cache groups would answer (the usual peer design), for comparison."""
-
-    best: str | None
-    hit_tokens: int
-
-
-class ScoreResponse(msgspec.Struct, kw_only=True):
-    """Workers best first; ``best`` is the first live one with a usable catalog, no stale
-    groups and a hit."""
-
-    best: str | None
-    hash_block_size: int
-    num_tokens: int
-    prompt_blocks: int
-    workers: list[WorkerHit]
-    group_blind: GroupBlindAnswer
 
 
 class WorkerView(msgspec.Struct, kw_only=True):
@@ -354,11 +280,10 @@ class ScoreApi:
             workers=self._worker_filter(request.workers),
             lookahead_hashes=rehash,
         )
-        stale = self.follower.stale_groups_by_worker()
-        hits = [_hit(score, stale.get(score.worker)) for score in scores]
-        best = next((hit for hit in hits if _eligible(hit) and hit.score > 0), None)
+        hits = _with_stale_groups(scores, self.follower.stale_groups_by_worker())
+        best = hma_best(hits)
         best_worker = best.worker if best is not None else None
-        blind = _group_blind(hits)
+        blind = group_blind_answer(hits)
         self.stats.record_answer(best.hit_tokens if best is not None else 0, blind, best_worker)
         return ScoreResponse(
             best=best_worker,
@@ -506,39 +431,17 @@ class ScoreApi:
         return _json(openapi_document(self.routes(), self.limits))
 
 
-def _hit(score: WorkerScore, stale_groups: set[int] | None) -> WorkerHit:
-    return WorkerHit(
-        worker=score.worker,
-        hit_tokens=score.hit_tokens,
-        hit_blocks=score.hit_blocks,
-        groups=score.group_hit_tokens,
-        tiers=score.tier_hit_tokens,
-        score=score.weighted_tokens,
-        health=score.health,
-        degraded=score.health != "live",
-        catalog_ok=score.catalog_ok,
-        group_blind_hit_tokens=score.group_blind_hit_tokens,
-        stale_groups=sorted(stale_groups) if stale_groups else [],
-        hash_lookahead=score.hash_lookahead,
-    )
-
-
-def _current(hit: WorkerHit) -> bool:
-    """Whether the index may hold what the worker holds: live, and every group followed."""
-    return not hit.degraded and not hit.stale_groups
-
-
-def _eligible(hit: WorkerHit) -> bool:
-    """A worker a router may be sent to on the strength of this answer."""
-    return _current(hit) and hit.catalog_ok
-
-
-def _group_blind(hits: Sequence[WorkerHit]) -> GroupBlindAnswer:
-    candidates = [hit for hit in hits if _current(hit) and hit.group_blind_hit_tokens > 0]
-    best = min(candidates, key=lambda hit: (-hit.group_blind_hit_tokens, hit.worker), default=None)
-    if best is None:
-        return GroupBlindAnswer(best=None, hit_tokens=0)
-    return GroupBlindAnswer(best=best.worker, hit_tokens=best.group_blind_hit_tokens)
+def _with_stale_groups(hits: list[WorkerHit], stale: Mapping[str, set[int]]) -> list[WorkerHit]:
+    """The index's answers with the groups whose partition this follower no longer reads (group
+    mode), which only the follower knows; in replica mode there are none, and nothing is copied."""
+    if not stale:
+        return hits
+    return [
+        msgspec.structs.replace(hit, stale_groups=tuple(sorted(groups)))
+        if (groups := stale.get(hit.worker))
+        else hit
+        for hit in hits
+    ]
 
 
 def _external_hash(value: int | str) -> ExternalBlockHash:

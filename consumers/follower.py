@@ -1,5 +1,10 @@
 """The index follower: Kafka records in, the pure ``KVIndex`` kept up to date, snapshots out.
 
+What a record does to the index (decoding, the key check, epochs, retirements, tombstones) is
+``applier.py``'s, which knows nothing of Kafka so that its rules are tested without a broker.
+What is left here needs one: where records come from and how far the log has been applied
+(positions, assignment, the gaps and restarts that only offsets show, commits, snapshots).
+
 Two consumers feed one index on one event loop, so applying, scoring, scraping and snapshotting
 never run at the same time and need no lock:
 
@@ -41,8 +46,18 @@ from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
+from hmakv.consumers.applier import (
+    Applier,
+    BadRecord,
+    IgnoredState,
+    KeylessTombstone,
+    Placement,
+    StateIgnored,
+    StateTaken,
+    WorkerForgotten,
+    WorkerRetired,
+)
 from hmakv.consumers.index import DEFAULT_HASH_BLOCK_SIZE, ApplyOutcome, KVIndex
-from hmakv.consumers.metrics import EVENT_AGE_BUCKETS, Buckets
 from hmakv.consumers.snapshots import (
     SNAPSHOT_FORMAT,
     PartitionOffset,
@@ -53,6 +68,7 @@ from hmakv.consumers.snapshots import (
     pack,
     unpack,
 )
+from hmakv.consumers.stats import EVENT_AGE_BUCKETS, Buckets
 from hmakv.kvlog.kafka_client import (
     KafkaSecurity,
     create_consumer,
@@ -61,17 +77,7 @@ from hmakv.kvlog.kafka_client import (
     wait_for_partitions,
 )
 from hmakv.kvlog.logs import RateLimitedLog
-from hmakv.kvlog.records import (
-    RETIRED,
-    EventRecord,
-    RecordDecodeError,
-    Topics,
-    WorkerState,
-    decode_event_record,
-    decode_worker_state,
-    event_key,
-    parse_event_key,
-)
+from hmakv.kvlog.records import Topics, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +89,6 @@ _TOPIC_WAIT_S = 2.0
 _BAD_RECORD_LOG_INTERVAL_S = 60.0
 _COMMIT_FAILURE_LOG_INTERVAL_S = 60.0
 _IGNORED_STATE_LOG_INTERVAL_S = 60.0
-
-# Why a worker state changed nothing (a metric label): a life older than the index's, or one
-# that was retired.
-IgnoredState = Literal["stale_epoch", "retired"]
 
 
 @dataclass(frozen=True)
@@ -157,15 +159,10 @@ class Follower:
     def __init__(self, config: FollowerConfig, store: SnapshotStore | None = None) -> None:
         self.config = config
         self.store = store
-        self.index = config.new_index()
+        self._applier = Applier(config.new_index())
         self.stats = FollowerStats()
         self._positions: dict[TopicPartition, int] = {}
         self._ready_targets: dict[TopicPartition, int] = {}
-        self._worker_states: dict[str, WorkerState] = {}
-        self._key_partitions: dict[tuple[str, int], TopicPartition] = {}
-        # Group mode: the assignment the stale groups were worked out for, and those groups.
-        self._stale: tuple[set[TopicPartition], dict[str, set[int]]] | None = None
-        self._behind_epochs_logged: set[tuple[str, int]] = set()
         self._events: Any = None
         self._workers: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -182,6 +179,15 @@ class Follower:
         self._commit_log = RateLimitedLog(log, _COMMIT_FAILURE_LOG_INTERVAL_S)
         # Ignored states are mostly history read while catching up: counted, noted at info.
         self._ignored_log = RateLimitedLog(log, _IGNORED_STATE_LOG_INTERVAL_S, level=logging.INFO)
+
+    @property
+    def index(self) -> KVIndex:
+        """The index the records are applied to, which the score API and the exporter read."""
+        return self._applier.index
+
+    @index.setter
+    def index(self, index: KVIndex) -> None:
+        self._applier.index = index
 
     # ------------------------------------------------------------------------------ life cycle
 
@@ -358,15 +364,9 @@ class Follower:
             await self._drop_lost_groups(consumer, tp)
 
     async def _drop_lost_groups(self, consumer: Any, lost: TopicPartition) -> None:
-        """Forget every (worker, group) whose records go to a partition that lost some.
-
-        The lost records may have removed blocks the index still holds: until new records
-        arrive, those groups under-report rather than report hits their workers may not have.
-        """
-        dropped = await self._groups_on(consumer, lost)
-        for worker, groups in dropped.items():
-            for group in groups:
-                self.index.drop_group(worker, group)
+        """Forget every (worker, group) whose records go to a partition that lost some."""
+        place = await self._placement(consumer, lost.topic)
+        dropped = self._applier.forget_lost_groups(lost.partition, place)
         log.error(
             "%s[%d]: the index forgot what these workers hold in these groups, whose records "
             "the deleted ones were: %s",
@@ -375,27 +375,13 @@ class Follower:
             _worker_groups(dropped),
         )
 
-    async def _groups_on(self, consumer: Any, tp: TopicPartition) -> dict[str, list[int]]:
-        """The groups of each worker in the index whose records go to ``tp``.
-
-        A key's partition is where this follower read its records: the bridge keeps it for the
-        workers it follows when partitions are added. A key not read yet goes where the bridge's
-        producer would put it now: aiokafka's default partitioner over the topic's partitions.
-        """
-        partitions = consumer.partitions_for_topic(tp.topic) or await topic_partitions(
-            self.config.bootstrap, tp.topic, self.config.security
+    async def _placement(self, consumer: Any, topic: str) -> Placement:
+        """Where the bridge's producer would put a key now: aiokafka's default partitioner over
+        the topic's partitions (for the keys this follower has not read yet)."""
+        partitions = consumer.partitions_for_topic(topic) or await topic_partitions(
+            self.config.bootstrap, topic, self.config.security
         )
-        found: dict[str, list[int]] = {}
-        for info in self.index.workers():
-            for group in sorted({*info.groups, *info.last_seq, *info.resident}):
-                read_on = self._key_partitions.get((info.name, group))
-                if read_on is not None:
-                    on_tp = read_on == tp
-                else:
-                    on_tp = partition_for(event_key(info.name, group), partitions) == tp.partition
-                if on_tp:
-                    found.setdefault(info.name, []).append(group)
-        return found
+        return lambda key: partition_for(key, partitions)
 
     async def _log_restarted(
         self, consumer: Any, tp: TopicPartition, position: int, found: str
@@ -418,21 +404,9 @@ class Follower:
             await self._forget_workers_on(consumer, tp)
 
     async def _forget_workers_on(self, consumer: Any, restarted: TopicPartition) -> None:
-        """Forget, in the index, every worker with a key on a partition whose log restarted.
-
-        The index keeps seqs and epochs per worker, so the whole worker goes (its groups on other
-        partitions under-report until new records arrive). Its catalog and health come from the
-        workers topic, which did not restart: they are kept.
-        """
-        forgotten = await self._groups_on(consumer, restarted)
-        for worker in forgotten:
-            self.index.forget_worker(worker)
-            for key in [key for key in self._key_partitions if key[0] == worker]:
-                del self._key_partitions[key]
-            state = self._worker_states.get(worker)
-            if state is not None:
-                self._keep_catalog_and_health(state)
-        self._stale = None
+        """Forget every worker with a key on a partition whose log restarted."""
+        place = await self._placement(consumer, restarted.topic)
+        forgotten = self._applier.forget_restarted_workers(restarted.partition, place)
         log.error(
             "%s[%d]: the index forgot these workers (blocks, seqs, epoch), which had these groups "
             "there: %s",
@@ -440,15 +414,6 @@ class Follower:
             restarted.partition,
             _worker_groups(forgotten),
         )
-
-    def _keep_catalog_and_health(self, state: WorkerState) -> None:
-        """What the bridge says of a worker, in the index (a retired one is not in it)."""
-        health = state.health
-        if health == RETIRED:
-            return
-        if state.groups:
-            self.index.set_catalog(state.worker, state.groups)
-        self.index.set_health(state.worker, health)
 
     # ------------------------------------------------------------------------------ applying
 
@@ -493,59 +458,49 @@ class Follower:
             await self._records_lost(consumer, tp, expected, first)
 
     def _apply_event(self, tp: TopicPartition, message: Any) -> None:
-        try:
-            record = _decode_event(message)
-        except _BadRecord as bad:
-            self._count_bad(bad.reason, str(bad), tp, message)
-            return
-        try:
-            outcome = self.index.apply(record)
-        except Exception as error:
-            self._apply_failed(tp, message, error)
-            # It may be half applied: forget the group rather than report blocks it may not hold.
-            self.index.drop_group(record.worker, record.group_idx)
-            return
-        if outcome is ApplyOutcome.APPLIED:
+        taken = self._applier.apply_event(message.key, message.value, tp.partition)
+        if isinstance(taken, BadRecord):
+            self._count_bad(taken, tp, message)
+        elif taken.outcome is ApplyOutcome.APPLIED:
             self.stats.events_applied += 1
-            self.stats.event_age.observe(max(0.0, time.time() - record.ts))
-            key = (record.worker, record.group_idx)
-            if self._key_partitions.get(key) != tp:
-                self._key_partitions[key] = tp
-                self._stale = None
-
-    def _apply_failed(self, tp: TopicPartition, message: Any, error: Exception) -> None:
-        """A record the follower could not apply (a bug, or input nothing foresaw) is counted and
-        skipped: stopping would only stop again at the same offset after every restart."""
-        detail = f"{type(error).__name__}: {error}"
-        self._count_bad("apply_error", detail, tp, message, error=error)
+            self.stats.event_age.observe(max(0.0, time.time() - taken.record.ts))
 
     def _apply_worker_state(self, tp: TopicPartition, message: Any) -> None:
-        if message.value is None:
-            self._forget(message.key.decode("utf-8", "replace") if message.key else "")
-            return
-        try:
-            state = _decode_worker_state(message)
-        except _BadRecord as bad:
-            self._count_bad(bad.reason, str(bad), tp, message)
-            return
         replayed = message.offset < self._ready_targets.get(tp, 0)
-        try:
-            ignored = self._take_worker_state(state, replayed=replayed)
-        except Exception as error:
-            self._apply_failed(tp, message, error)
-            return
-        if ignored is None:
-            self.stats.worker_states_applied += 1
-        else:
-            self._count_ignored_state(ignored, state, tp, message)
+        outcome = self._applier.apply_worker_state(message.key, message.value, replayed=replayed)
+        match outcome:
+            case BadRecord():
+                self._count_bad(outcome, tp, message)
+            case StateIgnored():
+                self._count_ignored_state(outcome, tp, message)
+            case StateTaken(state, health_changed):
+                self.stats.worker_states_applied += 1
+                if health_changed:
+                    _log_health(state)
+            case WorkerRetired(state):
+                self.stats.worker_states_applied += 1
+                log.info("worker %s retired at epoch %d: dropped", state.worker, state.epoch)
+            case WorkerForgotten(worker):
+                topic = self.config.topics.workers
+                log.info("worker %s forgotten (tombstone on %s)", worker, topic)
+            case KeylessTombstone():
+                pass  # no worker to forget
 
-    def _count_ignored_state(
-        self, reason: IgnoredState, state: WorkerState, tp: TopicPartition, message: Any
-    ) -> None:
+    def _count_ignored_state(self, ignored: StateIgnored, tp: TopicPartition, message: Any) -> None:
         """A state that changed nothing is counted by reason, apart from the applied ones, and
         noted (at info: while catching up, older and retired lives are history)."""
-        ignored = self.stats.worker_states_ignored
-        ignored[reason] = ignored.get(reason, 0) + 1
+        state, reason = ignored.state, ignored.reason
+        if ignored.behind is not None:
+            log.warning(
+                "worker %s: the bridge says epoch %d but the index has applied epoch %d; the "
+                "bridge may have lost its resume point, and records of epoch %d are ignored",
+                state.worker,
+                state.epoch,
+                ignored.behind,
+                state.epoch,
+            )
+        counts = self.stats.worker_states_ignored
+        counts[reason] = counts.get(reason, 0) + 1
         self._ignored_log.warning(
             f"worker_state/{reason}",
             "ignored a state of worker %s (%s, epoch %d, %s) at %s[%d]@%d",
@@ -558,109 +513,21 @@ class Follower:
             message.offset,
         )
 
-    def _take_worker_state(self, state: WorkerState, *, replayed: bool) -> IgnoredState | None:
-        """Epoch, catalog and health take effect at once; a health change is logged with its
-        cause. ``replayed``: the state was in the log before this follower caught up.
-
-        None when the state took effect, else why it changed nothing: counting those as applied
-        would hide a bridge writing states of an older life.
-        """
-        if state.health == RETIRED:
-            return self._retire(state)
-        if self.index.is_retired(state.worker, state.epoch):
-            return "retired"  # a state of a life retired since: nothing to serve
-        previous = self._worker_states.get(state.worker)
-        if not self._follow_epoch(state, replayed):
-            return "stale_epoch"  # an older life's catalog and health are not those of its blocks
-        self._worker_states[state.worker] = state
-        self._keep_catalog_and_health(state)
-        if previous is None or previous.health != state.health:
-            level = logging.WARNING if state.health == "degraded" else logging.INFO
-            log.log(
-                level,
-                "worker %s is %s (epoch %d, bridge's last seq %d)",
-                state.worker,
-                state.health,
-                state.epoch,
-                state.last_seq,
-            )
-        return None
-
-    def _follow_epoch(self, state: WorkerState, replayed: bool) -> bool:
-        """Whether the state is of the life the index holds. A newer epoch drops the worker's
-        previous life now, before the events partitions holding the new epoch's records are read
-        (they may lag, or be another member's).
-
-        An older one leaves the worker alone (epoch, blocks, catalog, health: a looser catalog
-        would count window blocks the worker does not hold) and is logged once per (worker,
-        epoch): the bridge may have lost its resume point, and the index ignores its records as
-        an older life. Not while catching up, where older states are history a newer one follows.
-        """
-        epoch = self.index.start_epoch(state.worker, state.epoch)
-        if epoch <= state.epoch:
-            return True
-        if replayed:
-            return False
-        behind = (state.worker, state.epoch)
-        if behind not in self._behind_epochs_logged:
-            self._behind_epochs_logged.add(behind)
-            log.warning(
-                "worker %s: the bridge says epoch %d but the index has applied epoch %d; the "
-                "bridge may have lost its resume point, and records of epoch %d are ignored",
-                state.worker,
-                state.epoch,
-                epoch,
-                state.epoch,
-            )
-        return False
-
-    def _retire(self, state: WorkerState) -> IgnoredState | None:
-        """The bridge retired the worker: nothing follows its cache any more, so it is not
-        served; its records of this life that are still to be read change nothing. None once
-        done, else why it changed nothing."""
-        if self.index.is_retired(state.worker, state.epoch):
-            return "retired"  # read before (catching up, or written again)
-        if not self.index.retire_worker(state.worker, state.epoch):
-            return "stale_epoch"  # the worker is in a later life already
-        log.info("worker %s retired at epoch %d: dropped", state.worker, state.epoch)
-        self._drop_worker(state.worker)
-        return None
-
-    def _forget(self, worker: str) -> None:
-        """A tombstone on the workers topic: forget the worker, retired or not."""
-        if not worker:
-            return
-        log.info("worker %s forgotten (tombstone on %s)", worker, self.config.topics.workers)
-        self._drop_worker(worker)
-        self.index.forget_worker(worker)
-
-    def _drop_worker(self, worker: str) -> None:
-        self._worker_states.pop(worker, None)
-        for key in [key for key in self._key_partitions if key[0] == worker]:
-            del self._key_partitions[key]
-        self._stale = None
-
-    def _count_bad(
-        self,
-        reason: str,
-        detail: str,
-        tp: TopicPartition,
-        message: Any,
-        *,
-        error: BaseException | None = None,
-    ) -> None:
-        bad = self.stats.bad_records
-        kind = (tp.topic, reason)
-        bad[kind] = bad.get(kind, 0) + 1
+    def _count_bad(self, bad: BadRecord, tp: TopicPartition, message: Any) -> None:
+        """A record skipped: counted by topic and reason, logged once per interval and kind
+        (an ``apply_error`` with its traceback)."""
+        counts = self.stats.bad_records
+        kind = (tp.topic, bad.reason)
+        counts[kind] = counts.get(kind, 0) + 1
         self._bad_log.warning(
-            f"{tp.topic}/{reason}",
+            f"{tp.topic}/{bad.reason}",
             "skipped a record (%s) at %s[%d]@%d: %s",
-            reason,
+            bad.reason,
             tp.topic,
             tp.partition,
             message.offset,
-            detail,
-            error=error,
+            bad.detail,
+            error=bad.error,
         )
 
     # ------------------------------------------------------------------------------ progress
@@ -705,7 +572,7 @@ class Follower:
 
     def worker_state(self, worker: str) -> WorkerState | None:
         """The bridge's latest view of the worker, from the workers topic."""
-        return self._worker_states.get(worker)
+        return self._applier.worker_state(worker)
 
     def stale_groups(self, worker: str) -> set[int]:
         """The worker's groups whose partition this follower no longer reads (group mode)."""
@@ -718,14 +585,7 @@ class Follower:
         """
         if self.config.mode != "group":
             return {}
-        assigned = self._assigned_events()
-        if self._stale is None or self._stale[0] != assigned:
-            stale: dict[str, set[int]] = {}
-            for (worker, group), tp in self._key_partitions.items():
-                if tp not in assigned:
-                    stale.setdefault(worker, set()).add(group)
-            self._stale = (assigned, stale)
-        return self._stale[1]
+        return self._applier.keys.stale_groups({tp.partition for tp in self._assigned_events()})
 
     # ------------------------------------------------------------------------------ commits
 
@@ -797,15 +657,12 @@ class Follower:
                 exc,
             )
             return
-        self.index = index
+        self._applier = Applier(
+            index, worker_states=snapshot.worker_states, key_partitions=snapshot.key_partitions
+        )
         for saved in snapshot.offsets:
             self._positions[TopicPartition(saved.topic, saved.partition)] = saved.offset
         self.stats.restored_offsets = dict(self._positions)
-        for state in snapshot.worker_states:
-            self._worker_states[state.worker] = state
-        events = self.config.topics.events
-        for worker, group, partition in snapshot.key_partitions:
-            self._key_partitions[(worker, group)] = TopicPartition(events, partition)
         self.stats.last_snapshot_at = snapshot.created
         self.stats.last_snapshot_bytes = len(blob)
         log.info(
@@ -836,12 +693,9 @@ class Follower:
                 PartitionOffset(tp.topic, tp.partition, offset)
                 for tp, offset in sorted(self._positions.items())
             ],
-            worker_states=list(self._worker_states.values()),
+            worker_states=self._applier.worker_states(),
             index=self.index.snapshot(),
-            key_partitions=[
-                (worker, group, tp.partition)
-                for (worker, group), tp in self._key_partitions.items()
-            ],
+            key_partitions=self._applier.keys.entries(),
         )
 
     async def snapshot_now(self) -> Snapshot | None:
@@ -877,42 +731,6 @@ class Follower:
             await self.snapshot_now()
 
 
-class _BadRecord(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-
-
-def _decode_event(message: Any) -> EventRecord:
-    """The record, or ``_BadRecord`` with a reason from a fixed set (a metric label)."""
-    if message.value is None:
-        raise _BadRecord("empty", "no value (a tombstone on the events topic)")
-    try:
-        key = parse_event_key(message.key or b"")
-    except RecordDecodeError as exc:
-        raise _BadRecord("bad_key", str(exc)) from exc
-    try:
-        record = decode_event_record(message.value)
-    except RecordDecodeError as exc:
-        raise _BadRecord("undecodable", str(exc)) from exc
-    if key != (record.worker, record.group_idx):
-        raise _BadRecord(
-            "key_mismatch",
-            f"key {message.key!r} but the value is {record.worker}/{record.group_idx}",
-        )
-    return record
-
-
-def _decode_worker_state(message: Any) -> WorkerState:
-    try:
-        state = decode_worker_state(message.value)
-    except RecordDecodeError as exc:
-        raise _BadRecord("undecodable", str(exc)) from exc
-    if message.key != state.key():
-        raise _BadRecord("key_mismatch", f"key {message.key!r} but the value is {state.worker}")
-    return state
-
-
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
     """Group mode: commit what was applied before giving partitions up; seek what comes in."""
 
@@ -938,6 +756,18 @@ def _names(
 
 def _worker_groups(groups: Mapping[str, list[int]]) -> str:
     return ", ".join(f"{worker} {each}" for worker, each in sorted(groups.items())) or "none"
+
+
+def _log_health(state: WorkerState) -> None:
+    level = logging.WARNING if state.health == "degraded" else logging.INFO
+    log.log(
+        level,
+        "worker %s is %s (epoch %d, bridge's last seq %d)",
+        state.worker,
+        state.health,
+        state.epoch,
+        state.last_seq,
+    )
 
 
 def _task_names(tasks: Iterable[asyncio.Task[None]]) -> str:

@@ -1,7 +1,9 @@
 """The HMA-aware KV-cache index: which worker holds which block, per cache group and medium.
 
 Pure data structure, no I/O: the follower applies Kafka records (``kvlog.records.EventRecord``,
-one per worker, epoch, seq and group) to it; the score API and the exporter read it.
+one per worker, epoch, seq and group) to it; the score API and the exporter read it. This module
+keeps the structure (workers, lanes, packed ints, apply); ``scoring`` assembles a prompt's
+answers from it and ``index_snapshot`` is the snapshot format, so that each can be read alone.
 
 Why it is shaped this way:
 
@@ -33,22 +35,16 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache, partial, reduce
-from itertools import compress, groupby, repeat
-from operator import and_, attrgetter, or_
-from typing import NamedTuple
+from operator import or_
 
 import msgspec
 
-from hmakv.consumers.hit_rule import (
-    Acceptance,
-    Column,
-    GroupRule,
-    alignment,
-    longest_hits,
-    rule_for,
-)
+from hmakv.consumers import index_snapshot
+from hmakv.consumers.hit_rule import GroupRule, rule_for
+from hmakv.consumers.scoring import CatalogClass, Fleet, Roster, Scorer
+from hmakv.kvlog.answers import WorkerHit
 from hmakv.kvlog.records import HEALTH_STATES, EventRecord, Health
 from hmakv.producer.events import (
     FULL_ATTENTION_KINDS,
@@ -65,18 +61,9 @@ from hmakv.producer.hashing import external
 
 DEFAULT_HASH_BLOCK_SIZE = 16
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
-SNAPSHOT_FORMAT = 2
-ROSTER_SETS = 1024  # worker sets whose names a score call may reuse
 INITIAL_LANE_WIDTH = 8  # worker slots per group lane, doubled whenever the fleet outgrows it
 
 LaneKey = tuple[int, str]  # (group, medium)
-Media = tuple[str, ...]
-# What a score call answers per worker: the hit, each group's own hit, each tier's, the blind one.
-AnswerKey = tuple[str, int | str]
-_HIT: AnswerKey = ("hit", 0)
-_BLIND: AnswerKey = ("blind", 0)
-_LOOKAHEAD: AnswerKey = ("lookahead", 0)  # the hashing a worker was scored with, not a hit
-_GPU_ONLY: Media = (MEDIUM_GPU,)
 # A group's last seq before any record: below the -1 of the clear that opens an epoch.
 _NONE_APPLIED = -2
 _WHOLE_SEQ = 2**62  # next_event of a seq applied whole
@@ -130,29 +117,6 @@ class WorkerInfo(msgspec.Struct, frozen=True, gc=False):
     hash_lookahead: int = 0
 
 
-class WorkerScore(msgspec.Struct, frozen=True, gc=False):
-    """One worker's answer for one prompt.
-
-    ``hit_tokens`` is the hit vLLM's own lookup would find on the worker's GPU. ``tier_hit_tokens``
-    gives, per medium in tier order, the hit if blocks on that medium and every faster one counted;
-    ``weighted_tokens`` weights each stretch of that ladder by the slowest tier it needs (see
-    ``KVIndex``). ``group_blind_hit_tokens`` is what an index ignoring groups would answer.
-    ``catalog_ok`` is False when the worker's groups are unknown or unusable, so its 0 is no answer.
-    ``hash_lookahead`` is the worker's lookahead hashing (see ``KVIndex.score``).
-    """
-
-    worker: str
-    health: Health
-    catalog_ok: bool
-    hit_tokens: int
-    hit_blocks: int
-    group_hit_tokens: dict[int, int]
-    tier_hit_tokens: dict[str, int]
-    weighted_tokens: float
-    group_blind_hit_tokens: int
-    hash_lookahead: int = 0
-
-
 class _Worker:
     """One worker's state. ``bit`` is its bit in a worker set, and in lane 0 (any group).
 
@@ -203,24 +167,6 @@ class _Medium:
         self.copies: dict[tuple[int, int], dict[ExternalBlockHash, int]] = {}
 
 
-class _CatalogClass:
-    """Workers sharing one group catalog: the hit rule runs once for all of them.
-
-    ``shifts`` are the rules' lane offsets in the packed ints (a group that never stored reads an
-    always-empty lane past the last one).
-    """
-
-    __slots__ = ("align", "everyone", "rules", "shifts")
-
-    def __init__(
-        self, rules: tuple[GroupRule, ...], everyone: int, shifts: tuple[int, ...]
-    ) -> None:
-        self.rules = rules
-        self.everyone = everyone
-        self.shifts = shifts
-        self.align = alignment(rules) if rules else 0
-
-
 class KVIndex:
     """Residency of every worker's KV-cache blocks per group and medium, scored by vLLM's rule.
 
@@ -247,10 +193,7 @@ class KVIndex:
             raise ValueError(f"hash_block_size must be positive, got {hash_block_size}")
         self.hash_block_size = hash_block_size
         weights = DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights
-        self.tiers: tuple[tuple[str, float], ...] = tuple(
-            sorted(weights.items(), key=lambda tier: -tier[1])
-        )
-        self._gpu_weight = weights.get(MEDIUM_GPU, 0.0)
+        self._scorer = Scorer(hash_block_size, weights)
         self._workers: dict[str, _Worker] = {}
         self._by_slot: dict[int, _Worker] = {}
         self._free_slots: list[int] = []
@@ -260,8 +203,8 @@ class KVIndex:
         self._lanes: dict[int, int] = {}  # group -> lane (from 1), in order of first store
         self._lookahead_bits: dict[int, int] = {}  # lookahead > 0 -> its workers' bits
         self._width = INITIAL_LANE_WIDTH
-        self._classes: list[_CatalogClass] | None = None
-        self._named: _Roster | None = None
+        self._classes: list[CatalogClass] | None = None
+        self._named: Roster | None = None
         self._counters = IndexCounters()
         # Workers retired and not back: the first epoch that may return (older records of a
         # retired life are still in Kafka, and must not bring the worker back).
@@ -625,7 +568,7 @@ class KVIndex:
             hash_lookahead=worker.lookahead,
         )
 
-    def _catalog_classes(self) -> list[_CatalogClass]:
+    def _catalog_classes(self) -> list[CatalogClass]:
         if self._classes is None:
             members: dict[tuple[tuple[int, GroupSpec], ...], int] = {}
             for worker in self._workers.values():
@@ -638,11 +581,11 @@ class KVIndex:
 
     def _catalog_class(
         self, catalog: tuple[tuple[int, GroupSpec], ...], everyone: int
-    ) -> _CatalogClass:
+    ) -> CatalogClass:
         rules = self._rules(catalog)
         empty = len(self._lanes) + 1  # a lane no packed int has bits in
         shifts = tuple(self._lanes.get(rule.group_idx, empty) * self._width for rule in rules)
-        return _CatalogClass(rules, everyone, shifts)
+        return CatalogClass(rules, everyone, shifts)
 
     def _rules(self, catalog: Iterable[tuple[int, GroupSpec]]) -> tuple[GroupRule, ...]:
         """The hit rules of a catalog; none (unscorable) if a block size does not fit the hashes."""
@@ -661,7 +604,7 @@ class KVIndex:
         workers: Iterable[str] | None = None,
         details: bool = True,
         lookahead_hashes: Callable[[int], Sequence[ExternalBlockHash]] | None = None,
-    ) -> list[WorkerScore]:
+    ) -> list[WorkerHit]:
         """Every worker's prefix hit for one prompt, best first (weighted tokens, then hit).
 
         ``block_hashes`` are the prompt's hashes at ``hash_block_size`` in vLLM's external form;
@@ -675,163 +618,29 @@ class KVIndex:
         hashes as vLLM makes them with ``k`` (fewer: a block is hashed once its lookahead tokens
         exist), asked once per ``k`` in the scored fleet; without it, with ``block_hashes`` as
         they are. Each score names the worker's ``hash_lookahead`` either way.
+
+        The answers are the API's own structs, built once (``scoring`` assembles them);
+        ``stale_groups`` is left empty, since only the follower knows which partitions it reads.
         """
         scored = self._everyone if workers is None else self._bits_of(workers)
-        answers = _Answers(scored)
-        for hashes, members in self._prompt_hashes(block_hashes, scored, lookahead_hashes, answers):
-            max_tokens = max(0, min(num_tokens - 1, len(hashes) * self.hash_block_size))
-            residency = _Residency(self._media, _as_keys(hashes), self.hash_block_size, max_tokens)
-            call = _Call(residency, max_tokens, answers, details)
-            for catalog_class in self._catalog_classes():
-                class_members = catalog_class.everyone & members
-                if class_members and catalog_class.rules:
-                    self._score_class(catalog_class, class_members, call)
-            if details:
-                answers.record(_BLIND, self._group_blind_hits(residency, members, max_tokens))
-        return self._scores(answers, details)
-
-    def _prompt_hashes(
-        self,
-        block_hashes: Sequence[ExternalBlockHash],
-        scored: int,
-        lookahead_hashes: Callable[[int], Sequence[ExternalBlockHash]] | None,
-        answers: _Answers,
-    ) -> list[tuple[Sequence[ExternalBlockHash], int]]:
-        """The prompt's hashes for each set of scored workers that hashes alike, and each
-        lookahead worker's setting recorded in its answers. A fleet without lookahead workers,
-        the usual one, costs one look."""
-        lookaheads = [
-            (tokens, members)
-            for tokens, bits in self._lookahead_bits.items()
-            if (members := bits & scored)
-        ]
-        if not lookaheads:
-            return [(block_hashes, scored)]
-        answers.record(_LOOKAHEAD, lookaheads)
-        if lookahead_hashes is None:
-            return [(block_hashes, scored)]
-        classic = scored & ~reduce(or_, (members for _, members in lookaheads))
-        rehashed = [(lookahead_hashes(tokens), members) for tokens, members in lookaheads]
-        return [(block_hashes, classic), *rehashed] if classic else rehashed
+        fleet = Fleet(self._media, self._catalog_classes(), self._lookahead_bits, self._roster())
+        return self._scorer.score(
+            fleet,
+            _as_keys(block_hashes),
+            num_tokens,
+            scored,
+            details=details,
+            lookahead_hashes=None if lookahead_hashes is None else _keyed(lookahead_hashes),
+        )
 
     def _bits_of(self, names: Iterable[str]) -> int:
         return reduce(or_, (worker.bit for name in names if (worker := self._workers.get(name))), 0)
 
-    def _score_class(self, catalog_class: _CatalogClass, members: int, call: _Call) -> None:
-        align = catalog_class.align
-        gpu = self._acceptances(catalog_class, call.residency, _GPU_ONLY)
-        gpu_hits = longest_hits(gpu, members, align, call.max_tokens)
-        call.answers.record(_HIT, gpu_hits)
-        if not call.details:
-            return
-        # Every group accepts the whole length for a worker whose hit it is: only the others scan.
-        top = call.max_tokens // align * align
-        topped = gpu_hits[0][1] if gpu_hits[0][0] == top else 0
-        for acceptance in gpu:
-            if len(gpu) == 1:  # a single group's own hit is the hit
-                hits = gpu_hits
-            else:
-                hits = longest_hits([acceptance], members ^ topped, align, call.max_tokens)
-                hits.append((top, topped))
-            call.answers.record(("group", acceptance.rule.group_idx), hits)
-        self._score_tiers(catalog_class, members, call)
-
-    def _score_tiers(self, catalog_class: _CatalogClass, members: int, call: _Call) -> None:
-        """The hit on each tier of the ladder below the GPU's (which is the hit).
-
-        A tier that adds no blocks repeats the faster one's answer (see ``_ladder``); the first
-        is computed even empty (a chunked-local group accepts a new chunk with no blocks).
-        """
-        ladder: Media = ()
-        for medium, _ in self.tiers:
-            ladder = (*ladder, medium)
-            if ladder != _GPU_ONLY and (
-                len(ladder) == 1 or self._media.get(medium, _NO_MEDIUM).owners
-            ):
-                acceptances = self._acceptances(catalog_class, call.residency, ladder)
-                hits = longest_hits(acceptances, members, catalog_class.align, call.max_tokens)
-                call.answers.record(("tier", medium), hits)
-
-    @staticmethod
-    def _acceptances(
-        catalog_class: _CatalogClass, residency: _Residency, media: Media
-    ) -> list[Acceptance]:
-        return [
-            Acceptance(rule, residency.column(media, rule.block_size), shift)
-            for rule, shift in zip(catalog_class.rules, catalog_class.shifts, strict=True)
-        ]
-
-    def _group_blind_hits(
-        self, residency: _Residency, everyone: int, max_tokens: int
-    ) -> list[tuple[int, int]]:
-        """What an index ignoring groups answers: a left-to-right scan of lane 0 (any group)."""
-        size = self.hash_block_size
-        anywhere = Acceptance(
-            GroupRule(-1, "prefix", size), residency.column(_GPU_ONLY, size), shift=0
-        )
-        return longest_hits([anywhere], everyone, size, max_tokens)
-
-    def _scores(self, answers: _Answers, details: bool) -> list[WorkerScore]:
-        """Best first (weighted tokens, then hit), by name among equal answers.
-
-        Sorting the few parts, not the workers, and building each part's scores in one C-level
-        pass over its workers' names (listed once per worker set, see ``_Roster``) keeps this
-        cheap for a large fleet.
-        """
-        roster = self._roster()
-        parts = sorted(
-            ((self._payload(part, details), workers) for workers, part in answers.parts.items()),
-            key=_rank,
-        )
-        scores: list[WorkerScore] = []
-        for _, tied in groupby(parts, key=_rank):
-            start = len(scores)
-            tied_parts = list(tied)
-            for payload, workers in tied_parts:
-                scores.extend(_worker_scores(*roster.named(workers), payload))
-            if len(tied_parts) > 1:
-                scores[start:] = sorted(scores[start:], key=attrgetter("worker"))
-        return scores
-
-    def _roster(self) -> _Roster:
+    def _roster(self) -> Roster:
         """Kept until a worker joins, leaves or changes health."""
         if self._named is None:
-            self._named = _Roster(self._workers.values())
+            self._named = Roster(self._workers.values())
         return self._named
-
-    def _payload(self, answers: dict[AnswerKey, int], details: bool) -> WorkerScore:
-        """What every worker of one part is told (its own fields left blank)."""
-        hit = answers.get(_HIT, 0)
-        catalog_ok, blocks = _HIT in answers, hit // self.hash_block_size
-        lookahead = answers.get(_LOOKAHEAD, 0)
-        if not details:
-            return WorkerScore(
-                "", "live", catalog_ok, hit, blocks, {}, {}, hit * self._gpu_weight, 0, lookahead
-            )
-        groups = {
-            group: tokens
-            for (kind, group), tokens in answers.items()
-            if kind == "group" and isinstance(group, int)
-        }
-        tiers, weighted = self._ladder(answers, hit)
-        blind = answers.get(_BLIND, 0)
-        return WorkerScore(
-            "", "live", catalog_ok, hit, blocks, groups, tiers, weighted, blind, lookahead
-        )
-
-    def _ladder(self, answers: dict[AnswerKey, int], hit: int) -> tuple[dict[str, int], float]:
-        """Each tier's hit (one without its own answer repeats the faster one's; the GPU's, when
-        fastest, is the hit) and the tier-weighted tokens."""
-        tiers: dict[str, int] = {}
-        weighted = 0.0
-        faster = 0
-        for medium, weight in self.tiers:
-            first_is_gpu = not tiers and medium == MEDIUM_GPU
-            tokens = answers.get(("tier", medium), hit if first_is_gpu else faster)
-            tiers[medium] = tokens
-            weighted += weight * (tokens - faster)
-            faster = tokens
-        return tiers, weighted
 
     # ----------------------------------------------------------------------------- snapshots
 
@@ -844,23 +653,13 @@ class KVIndex:
         slots = max((worker.slot + 1 for worker in self._workers.values()), default=1)
         moves = [(lane * self._width, (lane - 1) * slots) for lane in self._lanes.values()]
         packed = cache(partial(_moved, moves=moves, mask=(1 << self._width) - 1))
-        return _snapshot_encoder.encode(
-            _Snapshot(
-                format=SNAPSHOT_FORMAT,
+        return index_snapshot.encode(
+            index_snapshot.IndexSnapshot(
                 slots=slots,
                 lanes=list(self._lanes),
                 workers=[_worker_snapshot(w) for w in self._workers.values()],
                 media=[
-                    _MediumSnapshot(
-                        medium=name,
-                        hashes=list(medium.owners),
-                        owners=[_owners_to_wire(packed(held)) for held in medium.owners.values()],
-                        copies=[
-                            (group, slot, block_hash, extra)
-                            for (group, slot), extras in medium.copies.items()
-                            for block_hash, extra in extras.items()
-                        ],
-                    )
+                    index_snapshot.medium_snapshot(name, medium.owners, medium.copies, packed)
                     for name, medium in self._media.items()
                     if medium.owners
                 ],
@@ -877,10 +676,7 @@ class KVIndex:
         tier_weights: Mapping[str, float] | None = None,
     ) -> KVIndex:
         """An index in the state ``snapshot`` saved; configuration is the caller's, not saved."""
-        saved_format = _format_decoder.decode(data).format
-        if saved_format != SNAPSHOT_FORMAT:
-            raise ValueError(f"unsupported index snapshot format {saved_format}")
-        saved = _snapshot_decoder.decode(data)
+        saved = index_snapshot.decode(data)
         index = cls(hash_block_size=hash_block_size, tier_weights=tier_weights)
         index._width = _fitting_width(INITIAL_LANE_WIDTH, saved.slots)
         index._lanes = {group: lane for lane, group in enumerate(saved.lanes, start=1)}
@@ -915,11 +711,11 @@ class KVIndex:
 
     def _unpacked(self, wire: int | bytes, moves: list[tuple[int, int]], mask: int) -> int:
         """A saved packed int in this index's lanes, lane 0 rebuilt, single-worker ones interned."""
-        packed = _owners_from_wire(wire)
+        packed = index_snapshot.owners_from_wire(wire)
         anywhere = reduce(or_, (packed >> source & mask for source, _ in moves), 0)
         return self._intern(_moved(packed, moves, mask) | anywhere)
 
-    def _restore_worker(self, saved: _WorkerSnapshot) -> None:
+    def _restore_worker(self, saved: index_snapshot.WorkerSnapshot) -> None:
         worker = _Worker(saved.name, saved.slot)
         worker.epoch = saved.epoch
         worker.health = saved.health
@@ -932,9 +728,6 @@ class KVIndex:
         self._spread(worker)
         self._everyone |= worker.bit
         self._set_lookahead(worker, saved.hash_lookahead)
-
-
-_NO_MEDIUM = _Medium()
 
 
 def _check_sizes(group: int, spec: GroupSpec) -> None:
@@ -974,54 +767,6 @@ def _unapplied(worker: _Worker, record: EventRecord) -> list[KVEvent] | None:
     return record.events[done:] if done > 0 else record.events
 
 
-def _rank(part: tuple[WorkerScore, int]) -> tuple[float, int]:
-    return -part[0].weighted_tokens, -part[0].hit_tokens
-
-
-def _worker_scores(
-    names: list[str], health: list[Health], payload: WorkerScore
-) -> Iterator[WorkerScore]:
-    """The payload for each worker, with the worker's own fields and copies of its dicts."""
-    return map(
-        WorkerScore,
-        names,
-        health,
-        repeat(payload.catalog_ok),
-        repeat(payload.hit_tokens),
-        repeat(payload.hit_blocks),
-        map(dict.copy, repeat(payload.group_hit_tokens)),
-        map(dict.copy, repeat(payload.tier_hit_tokens)),
-        repeat(payload.weighted_tokens),
-        repeat(payload.group_blind_hit_tokens),
-        repeat(payload.hash_lookahead),
-    )
-
-
-class _Roster:
-    """The workers in name order, and the names and health of each worker set asked for.
-
-    The sets a score call splits the fleet into recur from call to call, so each is listed once
-    and reused (up to ``ROSTER_SETS`` of them, then the list starts again).
-    """
-
-    __slots__ = ("_bits", "_order", "_sets")
-
-    def __init__(self, workers: Iterable[_Worker]) -> None:
-        self._order = sorted(workers, key=attrgetter("name"))
-        self._bits = [worker.bit for worker in self._order]
-        self._sets: dict[int, tuple[list[str], list[Health]]] = {}
-
-    def named(self, workers: int) -> tuple[list[str], list[Health]]:
-        named = self._sets.get(workers)
-        if named is None:
-            if len(self._sets) >= ROSTER_SETS:
-                self._sets.clear()
-            chosen = list(compress(self._order, map(and_, self._bits, repeat(workers))))
-            names = [worker.name for worker in chosen]
-            named = self._sets[workers] = (names, [worker.health for worker in chosen])
-        return named
-
-
 def _as_keys(hashes: Sequence[ExternalBlockHash]) -> Sequence[ExternalBlockHash]:
     """The hashes in vLLM's int form, the index's keys. vLLM sends a digest whole only with
     ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, for every event of its life: a list that starts
@@ -1029,6 +774,13 @@ def _as_keys(hashes: Sequence[ExternalBlockHash]) -> Sequence[ExternalBlockHash]
     if not hashes or type(hashes[0]) is int:
         return hashes
     return [h if isinstance(h, int) else external(h) for h in hashes]
+
+
+def _keyed(
+    hashes: Callable[[int], Sequence[ExternalBlockHash]],
+) -> Callable[[int], Sequence[ExternalBlockHash]]:
+    """``hashes`` answering in the index's key form (see ``_as_keys``)."""
+    return lambda lookahead: _as_keys(hashes(lookahead))
 
 
 def _remove_copies(
@@ -1080,142 +832,8 @@ def _without(held: int, bits: int, worker: _Worker) -> int:
     return rest if rest & worker.mine else rest & ~worker.bit
 
 
-class _Answers:
-    """Every worker's answers to one score call, kept per set of workers that share them.
-
-    Each scan answers with (tokens, workers) pairs; a part of the fleet splits only where answers
-    differ, so a fleet that mostly holds the same prefix builds a handful of payloads, not one
-    per worker, and never walks its bitsets worker by worker until the end. Each part owns its
-    dict: a split copies it, an answer for a whole part is written into it.
-    """
-
-    __slots__ = ("parts",)
-
-    def __init__(self, everyone: int) -> None:
-        self.parts: dict[int, dict[AnswerKey, int]] = {everyone: {}} if everyone else {}
-
-    def record(self, key: AnswerKey, hits: list[tuple[int, int]]) -> None:
-        parts: dict[int, dict[AnswerKey, int]] = {}
-        for workers, answers in self.parts.items():
-            rest = workers
-            for tokens, hit_workers in hits:
-                both = rest & hit_workers
-                if both == workers:  # one answer for the whole part: its own dict takes it
-                    answers[key] = tokens
-                    break
-                if both:
-                    parts[both] = {**answers, key: tokens}
-                    rest ^= both
-            if rest:
-                parts[rest] = answers
-        self.parts = parts
-
-
-class _Call(NamedTuple):
-    """What one score call's catalog classes share."""
-
-    residency: _Residency
-    max_tokens: int
-    answers: _Answers
-    details: bool
-
-
-class _Residency:
-    """The prompt's packed columns per media and block size, looked up once and memoised.
-
-    One dict lookup per hash block and medium answers for every group; a tier ladder ORs its
-    media's values, a larger block size takes every k-th hash block's value. Every catalog
-    class, view and the group-blind scan share them.
-    """
-
-    __slots__ = ("_blocks", "_columns", "_hash_block_size", "_hashes", "_media", "_values")
-
-    def __init__(
-        self,
-        media: dict[str, _Medium],
-        hashes: Sequence[ExternalBlockHash],
-        hash_block_size: int,
-        max_tokens: int,
-    ) -> None:
-        self._media = media
-        self._hashes = hashes
-        self._hash_block_size = hash_block_size
-        self._blocks = max_tokens // hash_block_size
-        self._values: dict[Media, list[int]] = {}
-        self._columns: dict[tuple[Media, int], Column] = {}
-
-    def column(self, media: Media, block_size: int) -> Column:
-        """Packed residency of each of the prompt's blocks of ``block_size`` on any of ``media``."""
-        key = (media, block_size)
-        column = self._columns.get(key)
-        if column is None:
-            step = block_size // self._hash_block_size
-            # A group block spanning several hash blocks goes by the hash of its last sub-block.
-            values = self._held(media)[step - 1 : self._blocks // step * step : step]
-            column = self._columns[key] = Column(values)
-        return column
-
-    def _held(self, media: Media) -> list[int]:
-        """Each hash block's packed residency on any of ``media``."""
-        values = self._values.get(media)
-        if values is None:
-            if len(media) > 1:
-                values = list(map(or_, self._held(media[:-1]), self._held(media[-1:])))
-            elif (medium := self._media.get(media[0])) is not None:
-                values = list(map(medium.owners.get, self._hashes, repeat(0, self._blocks)))
-            else:
-                values = [0] * self._blocks
-            self._values[media] = values
-        return values
-
-
-# ----------------------------------------------------------------------------- snapshot format
-
-
-class _WorkerSnapshot(msgspec.Struct, array_like=True, gc=False):
-    name: str
-    slot: int
-    epoch: int
-    health: Health
-    groups: dict[int, GroupSpec]
-    last_seq: dict[int, int]
-    resident: list[tuple[int, str, int]]
-    next_event: dict[int, int] = {}  # absent from snapshots made before records could be split
-    hash_lookahead: int = 0  # absent from snapshots made before lookahead hashing
-
-
-class _MediumSnapshot(msgspec.Struct, array_like=True, gc=False):
-    medium: str
-    hashes: list[ExternalBlockHash]
-    # Packed bitsets (slot ``s`` of the ``p``-th lane at bit ``p * slots + s``): an int while it
-    # fits msgpack's 64 bits, else little-endian bytes.
-    owners: list[int | bytes]
-    copies: list[tuple[int, int, ExternalBlockHash, int]]  # group, slot, hash, extra copies
-
-
-class _Format(msgspec.Struct, gc=False):
-    format: int
-
-
-class _Snapshot(msgspec.Struct, gc=False):
-    format: int
-    slots: int  # bits per group in a packed int
-    lanes: list[int]  # the group of each lane, in lane order
-    workers: list[_WorkerSnapshot]
-    media: list[_MediumSnapshot]
-    # No counters: they are Prometheus counters, which start at zero with each process (the
-    # counters older snapshots hold are ignored).
-    retired: dict[str, int] = {}  # absent from snapshots made before workers could retire
-
-
-_snapshot_encoder = msgspec.msgpack.Encoder()
-_snapshot_decoder = msgspec.msgpack.Decoder(_Snapshot)
-_format_decoder = msgspec.msgpack.Decoder(_Format)
-_WIRE_INT_LIMIT = 1 << 64
-
-
-def _worker_snapshot(worker: _Worker) -> _WorkerSnapshot:
-    return _WorkerSnapshot(
+def _worker_snapshot(worker: _Worker) -> index_snapshot.WorkerSnapshot:
+    return index_snapshot.WorkerSnapshot(
         name=worker.name,
         slot=worker.slot,
         epoch=worker.epoch,
@@ -1226,13 +844,3 @@ def _worker_snapshot(worker: _Worker) -> _WorkerSnapshot:
         next_event=worker.next_event,
         hash_lookahead=worker.lookahead,
     )
-
-
-def _owners_to_wire(held: int) -> int | bytes:
-    if held < _WIRE_INT_LIMIT:
-        return held
-    return held.to_bytes((held.bit_length() + 7) // 8, "little")
-
-
-def _owners_from_wire(held: int | bytes) -> int:
-    return held if isinstance(held, int) else int.from_bytes(held, "little")

@@ -1,9 +1,10 @@
 """The index's Prometheus exporter: one custom collector that reads everything at scrape time.
 
 The apply loop only bumps plain ints (the index's own counters, the follower's stats, a bucket
-array for the event age), and the collector turns them into metric families when Prometheus
-scrapes. Updating prometheus_client gauges per event would take a lock per record and make
-every worker/group/medium gauge a live object to keep in sync with the index.
+array for the event age: ``stats``), and the collector turns them into metric families when
+Prometheus scrapes. Updating prometheus_client gauges per event would take a lock per record and
+make every worker/group/medium gauge a live object to keep in sync with the index. So this module
+is a reader on top: it imports the follower and the counters, and nothing below imports it.
 
 Labels are bounded by the fleet and its configuration: worker, group, kind, medium, health,
 topic, reason, outcome. Never a block hash or a request detail.
@@ -12,9 +13,7 @@ topic, reason, outcome. Never a block hash or a request detail.
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import (
     CollectorRegistry,
@@ -25,59 +24,24 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from hmakv.consumers.applier import IgnoredState
+from hmakv.consumers.follower import Follower
+from hmakv.consumers.stats import Buckets, ScoreStats
 from hmakv.kvlog.records import HEALTH_STATES
 
-if TYPE_CHECKING:
-    from hmakv.consumers.api import ScoreStats
-    from hmakv.consumers.follower import Follower, IgnoredState
-
 PREFIX = "hmakv_index"
-# Engine batch timestamp to applied: milliseconds when healthy, minutes when the bridge replays.
-EVENT_AGE_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    300.0,
-)
 # Why the follower ignored a worker state: each exported, zero or not.
 IGNORED_STATE_REASONS: tuple[IgnoredState, ...] = ("stale_epoch", "retired")
-SCORE_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
-class Buckets:
-    """A histogram as bare counts: observing is a bisect and two additions, no lock.
-
-    Safe because everything that observes and scrapes runs on the one event loop thread.
-    """
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
-        cumulative: list[tuple[str, float]] = []
-        running = 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            running += count
-            cumulative.append((_le(bound), running))
-        return HistogramMetricFamily(name, documentation, buckets=cumulative, sum_value=self.total)
+def _histogram(buckets: Buckets, name: str, documentation: str) -> HistogramMetricFamily:
+    """Bare counts as Prometheus wants them: cumulative, one bucket per bound and +Inf."""
+    cumulative: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in zip((*buckets.bounds, float("inf")), buckets.counts, strict=True):
+        running += count
+        cumulative.append((_le(bound), running))
+    return HistogramMetricFamily(name, documentation, buckets=cumulative, sum_value=buckets.total)
 
 
 def _le(bound: float) -> str:
@@ -210,7 +174,8 @@ class IndexCollector(Collector):
             "1 once the follower caught up with the log (what /readyz answers)",
             value=1 if self._follower.ready else 0,
         )
-        yield stats.event_age.family(
+        yield _histogram(
+            stats.event_age,
             f"{PREFIX}_event_age_seconds",
             "From the engine batch timestamp to the record being applied",
         )
@@ -282,8 +247,10 @@ class IndexCollector(Collector):
         for outcome, count in sorted(stats.requests.items()):
             requests.add_metric([outcome], count)
         yield requests
-        yield stats.duration.family(
-            f"{PREFIX}_score_duration_seconds", "Time to answer a score request, reading included"
+        yield _histogram(
+            stats.duration,
+            f"{PREFIX}_score_duration_seconds",
+            "Time to answer a score request, reading included",
         )
         hits = CounterMetricFamily(
             f"{PREFIX}_score_hit_tokens",

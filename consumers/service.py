@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from hmakv.consumers.api import ApiLimits, HashingDefaults, ScoreApi, ScoreStats, build_app
+from hmakv.consumers.api import ApiLimits, HashingDefaults, ScoreApi, build_app
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.metrics import index_registry
 from hmakv.consumers.snapshots import open_store
+from hmakv.consumers.stats import ScoreStats
 
 log = logging.getLogger(__name__)
 

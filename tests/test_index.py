@@ -9,7 +9,8 @@ import msgspec
 import pytest
 from test_index_model import ReferenceIndex
 
-from hmakv.consumers.index import ApplyOutcome, IndexCounters, KVIndex, WorkerScore
+from hmakv.consumers.index import ApplyOutcome, IndexCounters, KVIndex
+from hmakv.kvlog.answers import WorkerHit
 from hmakv.kvlog.records import EventRecord
 from hmakv.producer.events import (
     AllBlocksCleared,
@@ -55,7 +56,7 @@ def record(
     return EventRecord(worker, epoch, seq, 0.0, group, list(events))
 
 
-def only(scores: list[WorkerScore], worker: str = "w0") -> WorkerScore:
+def only(scores: list[WorkerHit], worker: str = "w0") -> WorkerHit:
     return next(s for s in scores if s.worker == worker)
 
 

@@ -1,8 +1,8 @@
 """``hmakv bridge``: follow engines' KV-cache events over ZMQ and write them to Kafka.
 
-Wiring only: flags and environment into ``BridgeSettings`` and engine configs, signals into the
-service's life cycle (SIGTERM/SIGINT: deliver what is queued and stop; SIGHUP: reload the
-``--engines`` file). Exit codes: 0 after a clean stop, 1 after a failure that stopped forwarding
+Wiring only: flags (or their variables) into ``BridgeSettings`` and engine configs, signals
+into the service's life cycle (SIGTERM/SIGINT: deliver what is queued and stop; SIGHUP: reload
+the ``--engines`` file). Exit codes: 0 after a clean stop, 1 after a failure that stopped forwarding
 (a bug; restarted, the bridge resumes where it was), 2 for a configuration that cannot run.
 """
 
@@ -12,14 +12,14 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 
 from hmakv.argtypes import (
-    bootstrap_servers,
-    host_port,
+    add_kafka_options,
+    add_listen,
+    kafka_security,
     non_negative_float,
     positive_float,
     positive_int,
@@ -34,9 +34,7 @@ from hmakv.bridge.config import (
 )
 from hmakv.bridge.service import BridgeService, BridgeSettings, check_topology
 from hmakv.bridge.tracking import DEFAULT_MAX_BUFFERED
-from hmakv.kvlog.kafka_client import KafkaSecurity
 from hmakv.kvlog.logs import JsonFormatter
-from hmakv.kvlog.records import DEFAULT_TOPIC_PREFIX
 
 log = logging.getLogger("hmakv.bridge")
 
@@ -45,7 +43,9 @@ EXIT_CRASHED = 1
 EXIT_BAD_CONFIG = 2
 COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
 
-_DESCRIPTION = """\
+HELP = "follow engines' KV-cache events (ZMQ) and write them to Kafka"
+
+DESCRIPTION = """\
 Follow vLLM-compatible KV-cache event publishers over ZeroMQ and write their batches to Kafka:
 one record per (batch, cache group) on <prefix>.events keyed "<worker>/<group>", each worker's
 epoch, groups, last seq and health on the compacted <prefix>.workers, and every frame that cannot
@@ -56,9 +56,9 @@ marks it degraded. A restarted bridge resumes where the workers topic says it st
 Engines come from --engine flags, HMAKV_BRIDGE_ENGINE (';'-separated) and --engines FILE (TOML,
 reloaded on SIGHUP). Either the bridge connects to each engine's PUB endpoint, or engines
 connect to --bind-sub and are told apart by topic (configured, or llm-d's kv@<pod-id>@<model>).
-Kafka security: HMAKV_KAFKA_SECURITY_PROTOCOL, HMAKV_KAFKA_SASL_* and HMAKV_KAFKA_SSL_*."""
+"""
 
-_EPILOG = """\
+EPILOG = """\
 engines file (TOML):
   [[engines]]
   name = "engine-a"
@@ -80,195 +80,145 @@ examples:
 
 
 LOG_FORMATS = ("text", "json")
-# The options with choices whose default comes from the environment: (dest, variable, choices).
-_ENV_CHOICES = (
-    ("compression", "HMAKV_BRIDGE_COMPRESSION", COMPRESSIONS),
-    ("log_format", "HMAKV_LOG_FORMAT", LOG_FORMATS),
-)
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "bridge",
-        help="follow engines' KV-cache events (ZMQ) and write them to Kafka",
-        description=_DESCRIPTION,
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    env = os.environ.get
-    add = parser.add_argument
-    add(
-        "--engines",
-        type=Path,
-        default=env("HMAKV_BRIDGE_ENGINES"),
-        metavar="FILE",
-        help="TOML file of engines, reloaded on SIGHUP (env HMAKV_BRIDGE_ENGINES)",
-    )
-    add(
-        "--engine",
-        action="append",
-        default=_split(env("HMAKV_BRIDGE_ENGINE")),
-        metavar="NAME=ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N][,shard=I]",
-        help="an engine to connect to; repeatable (env HMAKV_BRIDGE_ENGINE, ';'-separated)",
-    )
-    add(
-        "--bind-sub",
-        default=env("HMAKV_BRIDGE_BIND_SUB"),
-        metavar="ENDPOINT",
-        help="bind a SUB socket engines connect to, e.g. tcp://*:5557 (env HMAKV_BRIDGE_BIND_SUB)",
-    )
-    add(
-        "--bind-sub-ranks",
-        type=positive_int,
-        default=env("HMAKV_BRIDGE_BIND_SUB_RANKS", "1"),
-        metavar="N",
-        help="DP ranks of the engines that connect to --bind-sub: vLLM offsets each rank's port, "
-        "so the bridge binds PORT..PORT+N-1 (env HMAKV_BRIDGE_BIND_SUB_RANKS, default 1)",
-    )
-    add(
-        "--shard",
-        type=_shard,
-        default=env("HMAKV_BRIDGE_SHARD", "0/1"),
-        metavar="INDEX/COUNT",
-        help="follow only the engines pinned to INDEX (shard=I) or, unpinned, whose name hashes "
-        "to it, to split a fleet between COUNT bridges (env HMAKV_BRIDGE_SHARD, default 0/1)",
-    )
-    add(
-        "--kafka",
-        type=bootstrap_servers,
-        default=env("HMAKV_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
-        metavar="HOST:PORT",
-        help="Kafka bootstrap servers (env HMAKV_KAFKA_BOOTSTRAP, default 127.0.0.1:9092)",
-    )
-    add(
-        "--topic-prefix",
-        # HMAKV_TOPIC_PREFIX is the index's and the workers command's too: one variable for all.
-        default=env("HMAKV_BRIDGE_TOPIC_PREFIX") or env("HMAKV_TOPIC_PREFIX", DEFAULT_TOPIC_PREFIX),
-        help="topic name prefix (env HMAKV_TOPIC_PREFIX, as the index reads it, or "
-        f"HMAKV_BRIDGE_TOPIC_PREFIX for the bridge alone; default {DEFAULT_TOPIC_PREFIX})",
-    )
-    add(
-        "--partitions",
-        type=positive_int,
-        default=env("HMAKV_BRIDGE_PARTITIONS", "6"),
-        help="partitions of topics the bridge creates (env HMAKV_BRIDGE_PARTITIONS, default 6)",
-    )
-    add(
-        "--replication",
-        type=positive_int,
-        default=env("HMAKV_BRIDGE_REPLICATION", "1"),
-        help="replication factor of topics it creates (env HMAKV_BRIDGE_REPLICATION, default 1)",
-    )
-    add(
-        "--compression",
-        choices=COMPRESSIONS,
-        default=env("HMAKV_BRIDGE_COMPRESSION", "none"),
-        help="producer compression (env HMAKV_BRIDGE_COMPRESSION, default none)",
-    )
-    add(
-        "--listen",
-        type=host_port,
-        default=env("HMAKV_BRIDGE_LISTEN"),
-        metavar="HOST:PORT",
-        help="serve /healthz, /readyz and /metrics here (env HMAKV_BRIDGE_LISTEN, default off)",
-    )
-    add(
-        "--max-replays",
-        type=positive_int,
-        default=env("HMAKV_BRIDGE_MAX_REPLAYS", "4"),
-        help="replays and snapshots in flight at once (env HMAKV_BRIDGE_MAX_REPLAYS, default 4)",
-    )
-    add(
-        "--replay-timeout",
-        type=positive_float,
-        default=env("HMAKV_BRIDGE_REPLAY_TIMEOUT", "5"),
-        metavar="SECONDS",
-        help="give a replay up after this long without a reply message; its gap is then lost "
-        "(env HMAKV_BRIDGE_REPLAY_TIMEOUT, default 5)",
-    )
-    add(
-        "--queue-size",
-        type=positive_int,
-        default=env("HMAKV_BRIDGE_QUEUE_SIZE", "10000"),
-        metavar="BATCHES",
-        help="batches held for Kafka; while it is full the bridge stops receiving and the "
-        "engines' queues and replay rings hold the rest (env HMAKV_BRIDGE_QUEUE_SIZE, "
-        "default 10000)",
-    )
-    add(
-        "--linger-ms",
-        type=non_negative_float,
-        default=env("HMAKV_BRIDGE_LINGER_MS", "2"),
-        metavar="MS",
-        help="how long a small chunk of records may wait for more before it is sent to Kafka "
-        "(env HMAKV_BRIDGE_LINGER_MS, default 2)",
-    )
-    add(
-        "--rcvhwm",
-        type=positive_int,
-        default=env("HMAKV_BRIDGE_RCVHWM", "1000"),
-        metavar="MESSAGES",
-        help="ZMQ receive high-water mark per SUB socket: what one socket may hold while "
-        "intake is paused (env HMAKV_BRIDGE_RCVHWM, default 1000)",
-    )
-    add(
-        "--max-buffered",
-        type=positive_int,
-        default=env("HMAKV_BRIDGE_MAX_BUFFERED", str(DEFAULT_MAX_BUFFERED)),
-        metavar="BATCHES",
-        help="live batches held per worker during a replay; more wait for the next replay "
-        f"(env HMAKV_BRIDGE_MAX_BUFFERED, default {DEFAULT_MAX_BUFFERED})",
-    )
-    add(
-        "--max-workers",
-        type=positive_int,
-        default=env("HMAKV_BRIDGE_MAX_WORKERS", "1024"),
-        help="workers accepted by topic on --bind-sub; past it a new one replaces one silent "
-        "for 5 minutes (env HMAKV_BRIDGE_MAX_WORKERS, default 1024)",
-    )
-    add(
-        "--max-payload-bytes",
-        type=positive_int,
-        default=env("HMAKV_BRIDGE_MAX_PAYLOAD_BYTES", str(64 * 1024 * 1024)),
-        metavar="BYTES",
-        help="dead-letter larger payloads (env HMAKV_BRIDGE_MAX_PAYLOAD_BYTES, default 64 MiB)",
-    )
-    add(
-        "--max-record-bytes",
-        type=positive_int,
-        default=env("HMAKV_BRIDGE_MAX_RECORD_BYTES", str(8 * 1024 * 1024)),
-        metavar="BYTES",
-        help="largest event record; a group's larger one is split over several, a batch with an "
-        "event larger on its own is lost and its worker degraded "
-        "(env HMAKV_BRIDGE_MAX_RECORD_BYTES, default 8 MiB)",
-    )
-    add(
-        "--state-interval",
-        type=positive_float,
-        default=env("HMAKV_BRIDGE_STATE_INTERVAL", "1"),
-        metavar="SECONDS",
-        help="write each worker's resume point at most this often "
-        "(env HMAKV_BRIDGE_STATE_INTERVAL, default 1)",
-    )
-    add(
-        "--shutdown-timeout",
-        type=positive_float,
-        default=env("HMAKV_BRIDGE_SHUTDOWN_TIMEOUT", "10"),
-        metavar="SECONDS",
-        help="on SIGTERM, time to deliver what is queued (env HMAKV_BRIDGE_SHUTDOWN_TIMEOUT)",
-    )
-    add(
+def register(parser: argparse.ArgumentParser) -> None:
+    _add_engine_options(parser)
+    add_kafka_options(parser, "PREFIX.events, .workers, .deadletter", default="127.0.0.1:9092")
+    _add_kafka_tuning(parser)
+    add_listen(parser, "/healthz, /readyz and /metrics")
+    _add_flow_options(parser)
+    parser.add_argument(
         "--log-format",
         choices=LOG_FORMATS,
-        default=env("HMAKV_LOG_FORMAT", "text"),
-        help="log lines as text or as JSON objects (env HMAKV_LOG_FORMAT, default text)",
+        default="text",
+        env_var="HMAKV_LOG_FORMAT",
+        help="log lines as text or as JSON objects",
     )
     parser.set_defaults(func=run)
 
 
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--engines", type=Path, metavar="FILE", help="TOML file of engines, reloaded on SIGHUP")
+    add(
+        "--engine",
+        action="extend",
+        type=_engine_flags,
+        default=[],
+        metavar="NAME=ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N][,shard=I]",
+        help="an engine to connect to; repeatable, or several separated by ';'",
+    )
+    add(
+        "--bind-sub",
+        metavar="ENDPOINT",
+        help="bind a SUB socket engines connect to, e.g. tcp://*:5557",
+    )
+    add(
+        "--bind-sub-ranks",
+        type=positive_int,
+        default="1",
+        metavar="N",
+        help="DP ranks of the engines that connect to --bind-sub: vLLM offsets each rank's port, "
+        "so the bridge binds PORT..PORT+N-1",
+    )
+    add(
+        "--shard",
+        type=_shard,
+        default="0/1",
+        metavar="INDEX/COUNT",
+        help="follow only the engines pinned to INDEX (shard=I) or, unpinned, whose name hashes "
+        "to it, to split a fleet between COUNT bridges",
+    )
+
+
+def _add_kafka_tuning(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--partitions", type=positive_int, default="6", help="partitions of topics it creates")
+    add("--replication", type=positive_int, default="1", help="replication of topics it creates")
+    add("--compression", choices=COMPRESSIONS, default="none", help="producer compression")
+    add(
+        "--linger-ms",
+        type=non_negative_float,
+        default="2",
+        metavar="MS",
+        help="how long a small chunk of records may wait for more before it is sent to Kafka",
+    )
+    add(
+        "--max-record-bytes",
+        type=positive_int,
+        default=str(8 * 1024 * 1024),
+        metavar="BYTES",
+        help="largest event record; a group's larger one is split over several, a batch with an "
+        "event larger on its own is lost and its worker degraded",
+    )
+    add(
+        "--state-interval",
+        type=positive_float,
+        default="1",
+        metavar="SECONDS",
+        help="write each worker's resume point at most this often",
+    )
+
+
+def _add_flow_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--max-replays", type=positive_int, default="4", help="replays and snapshots in flight")
+    add(
+        "--replay-timeout",
+        type=positive_float,
+        default="5",
+        metavar="SECONDS",
+        help="give a replay up after this long without a reply message; its gap is then lost",
+    )
+    add(
+        "--queue-size",
+        type=positive_int,
+        default="10000",
+        metavar="BATCHES",
+        help="batches held for Kafka; while it is full the bridge stops receiving and the "
+        "engines' queues and replay rings hold the rest",
+    )
+    add(
+        "--rcvhwm",
+        type=positive_int,
+        default="1000",
+        metavar="MESSAGES",
+        help="ZMQ receive high-water mark per SUB socket: what one socket may hold while "
+        "intake is paused",
+    )
+    add(
+        "--max-buffered",
+        type=positive_int,
+        default=str(DEFAULT_MAX_BUFFERED),
+        metavar="BATCHES",
+        help="live batches held per worker during a replay; more wait for the next replay",
+    )
+    add(
+        "--max-workers",
+        type=positive_int,
+        default="1024",
+        help="workers accepted by topic on --bind-sub; past it a new one replaces one silent "
+        "for 5 minutes",
+    )
+    add(
+        "--max-payload-bytes",
+        type=positive_int,
+        default=str(64 * 1024 * 1024),
+        metavar="BYTES",
+        help="dead-letter larger payloads",
+    )
+    add(
+        "--shutdown-timeout",
+        type=positive_float,
+        default="10",
+        metavar="SECONDS",
+        help="on SIGTERM, time to deliver what is queued",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        _check_choices(args)
         settings = _settings(args)
         engines = _engines(args)
         check_topology(settings, engines)
@@ -279,19 +229,6 @@ def run(args: argparse.Namespace) -> int:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
     return asyncio.run(_serve(settings, engines, args))
-
-
-def _check_choices(args: argparse.Namespace) -> None:
-    """argparse checks a flag's value against its choices, not a default taken from the
-    environment: a bad one would pass, and fail only once running (a bad compression as the
-    Kafka producer starts, a traceback and exit 1 on every restart)."""
-    for dest, variable, choices in _ENV_CHOICES:
-        value = getattr(args, dest)
-        if value not in choices:
-            what = dest.replace("_", " ")
-            raise ConfigError(
-                f"{what} must be one of {', '.join(choices)}, not {value!r} (env {variable})"
-            )
 
 
 def _settings(args: argparse.Namespace) -> BridgeSettings:
@@ -315,7 +252,7 @@ def _settings(args: argparse.Namespace) -> BridgeSettings:
         max_workers=args.max_workers,
         state_interval=args.state_interval,
         shutdown_timeout=args.shutdown_timeout,
-        security=KafkaSecurity.from_env(),
+        security=kafka_security(args),
     )
 
 
@@ -418,5 +355,6 @@ async def reload_engines(service: BridgeService, args: argparse.Namespace) -> No
         log.error("SIGHUP: engines not reloaded, keeping the current ones: %s", error)
 
 
-def _split(text: str | None) -> list[str]:
-    return [part for part in (text or "").split(";") if part.strip()]
+def _engine_flags(text: str) -> list[str]:
+    """One --engine, or several separated by ';' (as one HMAKV_BRIDGE_ENGINE holds them)."""
+    return [part for part in text.split(";") if part.strip()]

@@ -28,7 +28,9 @@ EXIT_OK = 0
 EXIT_RUNTIME_FAILURE = 1
 EXIT_BAD_INPUT = 2
 
-_DESCRIPTION = """\
+HELP = "decode vLLM KV-event payloads (hex lines, a raw file, or a live ZMQ publisher)"
+
+DESCRIPTION = """\
 Decode vLLM KV-cache event batches (msgpack, any vLLM generation) and print one JSON object per
 batch: {"ts", "data_parallel_rank", "events": [{"type", ...vLLM field names...}],
 "unknown_event_types"}. Byte values print as lowercase hex; fields an older vLLM did not send
@@ -42,7 +44,7 @@ Input, one of:
 
 A bad line or frame is reported on stderr (line number or seq, and why) and skipped."""
 
-_EPILOG = """\
+EPILOG = """\
 exit codes: 0 ok, 1 runtime failure (--count not reached before --timeout, or nothing received),
 2 bad usage or input (some line or frame did not decode).
 
@@ -52,56 +54,35 @@ examples:
   hmakv decode --zmq tcp://engine-0:5557 --topic kv-events --count 10 | jq .events"""
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "decode",
-        help="decode vLLM KV-event payloads (hex lines, a raw file, or a live ZMQ publisher)",
-        description=_DESCRIPTION,
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def register(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
-        "file",
-        nargs="?",
-        metavar="FILE",
-        help="hex payloads, one per line; '-' or absent: stdin",
+        "file", nargs="?", metavar="FILE", help="hex payloads, one per line; '-' or absent: stdin"
     )
     source.add_argument("--raw", metavar="FILE", help="one raw binary payload ('-': stdin)")
     source.add_argument(
-        "--zmq",
-        metavar="ENDPOINT",
-        default=os.environ.get("HMAKV_DECODE_ZMQ"),
-        help="subscribe to a publisher, e.g. tcp://host:5557 (env HMAKV_DECODE_ZMQ)",
+        "--zmq", metavar="ENDPOINT", help="subscribe to a publisher, e.g. tcp://host:5557"
     )
-    parser.add_argument(
-        "--topic",
-        metavar="T",
-        default=os.environ.get("HMAKV_DECODE_TOPIC", ""),
-        help="ZMQ topic prefix to subscribe to (env HMAKV_DECODE_TOPIC, default: all)",
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--topic", metavar="T", default="", help="ZMQ topic prefix to subscribe to (default: all)")
+    add(
         "--count",
         type=positive_int,
-        default=os.environ.get("HMAKV_DECODE_COUNT"),
         metavar="N",
-        help="with --zmq: stop after N messages (env HMAKV_DECODE_COUNT, default: never)",
+        help="with --zmq: stop after N messages (default: never)",
     )
-    parser.add_argument(
+    add(
         "--timeout",
         type=positive_float,
-        default=os.environ.get("HMAKV_DECODE_TIMEOUT"),
         metavar="SECONDS",
-        help="with --zmq: stop when no message arrives for this long "
-        "(env HMAKV_DECODE_TIMEOUT, default: wait forever)",
+        help="with --zmq: stop when no message arrives for this long (default: wait forever)",
     )
-    parser.add_argument(
+    add(
         "--max-bytes",
         type=positive_int,
-        default=os.environ.get("HMAKV_DECODE_MAX_BYTES", str(DEFAULT_MAX_PAYLOAD_BYTES)),
+        default=str(DEFAULT_MAX_PAYLOAD_BYTES),
         metavar="BYTES",
-        help="refuse payloads larger than this (env HMAKV_DECODE_MAX_BYTES, "
-        f"default {DEFAULT_MAX_PAYLOAD_BYTES})",
+        help="refuse payloads larger than this",
     )
     parser.set_defaults(func=run)
 
@@ -117,10 +98,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_mode(args: argparse.Namespace) -> int:
-    """An explicit file wins over a ZMQ endpoint taken from the environment."""
     if args.raw is not None:
         return _decode_raw(args.raw, args.max_bytes)
-    if args.file is None and args.zmq is not None:
+    if args.zmq is not None:
         return _follow_publisher(args)
     return _decode_hex_lines(args.file or "-", args.max_bytes)
 

@@ -7,7 +7,6 @@ the command runs so that other subcommands never pay for it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,9 +18,9 @@ if TYPE_CHECKING:
 
 EXIT_BAD_USAGE = 2
 
-_ENV_PREFIX = "HMAKV_DEMO_"
+HELP = "run engines, bridge, index and a probing router on an embedded broker; summarise"
 
-_DESCRIPTION = """\
+DESCRIPTION = """\
 Start an embedded Kafka broker (or use yours), reference engines with different hybrid
 KV-cache layouts, the bridge and the index, each as its own `hmakv` process on free loopback
 ports; then route prompts with a probe client that asks /v1/score where to go and checks every
@@ -29,10 +28,7 @@ answer against the engine's real prefix hit. Live progress while it runs; at the
 (zero loss, HMA-aware vs group-blind agreement, event age), optionally as JSON and as a report
 with plots."""
 
-_EPILOG = """\
-Every option can also be set by an environment variable: HMAKV_DEMO_ and the option name in
-capitals with - as _ (HMAKV_DEMO_NO_MODEL=1 for --no-model).
-
+EPILOG = """\
 Exit codes: 0 the run passed its checks (no event lost, the HMA-aware index agreed with every
 engine answer it was compared with), 1 it did not or a service failed, 2 bad usage, 130
 interrupted while starting. Ctrl-C during the run ends it early with the summary; a second
@@ -44,14 +40,6 @@ examples:
   hmakv demo --kafka apache                   # Apache Kafka 4 (KRaft), needs Java
   hmakv demo --kafka 127.0.0.1:9092           # an existing cluster (its own topics, removed)
   hmakv demo --engine vllm                    # two real vLLM servers (scripts/setup-vllm)"""
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(_ENV_PREFIX + name, default)
-
-
-def _env_flag(name: str) -> bool:
-    return (_env(name) or "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def _engine_count(text: str) -> int:
@@ -70,6 +58,11 @@ def _kafka(text: str) -> str:
     return text
 
 
+def _engine_choices(text: str) -> list[tuple[str, str, int | None] | str]:
+    """One --engine, or several separated by commas (as one HMAKV_DEMO_ENGINE holds them)."""
+    return [_engine_choice(part) for part in text.split(",") if part.strip()]
+
+
 def _engine_choice(text: str) -> tuple[str, str, int | None] | str:
     from hmakv.demo.config import VLLM, parse_engine
 
@@ -81,128 +74,93 @@ def _engine_choice(text: str) -> tuple[str, str, int | None] | str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _env_engines() -> list[tuple[str, str, int | None] | str] | None:
-    """HMAKV_DEMO_ENGINE as a comma-separated list of PROFILE:WORKLOAD[:BLOCKS], or ``vllm``
-    (None: unset)."""
-    text = (_env("ENGINE") or "").strip()
-    if not text:
-        return None
-    return [_engine_choice(part) for part in text.split(",") if part.strip()]
-
-
 _engine_count.__name__ = "engine count (2 to 6)"
 _kafka.__name__ = "tansu, apache or HOST:PORT"
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="run engines, bridge, index and a probing router on an embedded broker; summarise",
-        description=_DESCRIPTION,
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
+def register(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
         "--duration",
         type=positive_float,
-        default=_env("DURATION", "60"),
+        default="60",
         metavar="SECONDS",
-        help="seconds of probing once everything is up (default 60)",
+        help="seconds of probing once everything is up",
     )
-    parser.add_argument(
+    add(
         "--kafka",
         type=_kafka,
-        default=_env("KAFKA", "tansu"),
+        default="tansu",
         metavar="tansu|apache|HOST:PORT",
-        help="tansu or apache: start that broker; HOST:PORT: use that cluster (default tansu)",
+        help="tansu or apache: start that broker; HOST:PORT: use that cluster",
     )
-    parser.add_argument(
+    add(
         "--no-model",
         action="store_true",
-        default=_env_flag("NO_MODEL"),
         help="engines without their torch model (default: with it when torch is installed)",
     )
-    parser.add_argument(
-        "--engines",
-        type=_engine_count,
-        default=None,  # HMAKV_DEMO_ENGINES is read after the flags: see engines_of
-        metavar="N",
-        help="how many engines, each with another cache layout (default 2: gpt-oss-like "
-        "and gemma3-like)",
-    )
-    parser.add_argument(
-        "--engine",
-        dest="engine_choices",
-        action="append",
-        type=_engine_choice,
-        default=None,
-        metavar="PROFILE:WORKLOAD[:BLOCKS]|vllm",
-        help="run an engine with this profile, workload and pool size (default: the demo's for "
-        "the profile) instead of the --engines line-up; repeat for each engine, 2 to 6 "
-        "(env HMAKV_DEMO_ENGINE: comma-separated); 'vllm' alone: two real vLLM servers "
-        "(scripts/setup-vllm first) probed with real requests",
-    )
-    parser.add_argument(
+    _add_engine_options(parser.add_mutually_exclusive_group())
+    add(
         "--rate",
         type=positive_float,
-        default=_env("RATE", "4"),
+        default="4",
         metavar="PER_SECOND",
-        help="each engine's own background requests per second (default 4)",
+        help="each engine's own background requests per second",
     )
-    parser.add_argument(
-        "--seed", type=int, default=_env("SEED", "0"), help="seed of workloads and probes"
-    )
-    parser.add_argument(
-        "--workdir",
-        type=Path,
-        metavar="DIR",
-        default=_env("WORKDIR"),
-        help="where the services' logs go (default: a new directory under "
-        "$HMAKV_CACHE_DIR/demo, kept after the run)",
-    )
-    parser.add_argument(
-        "--json", type=Path, default=_env("JSON"), metavar="PATH", help="write the summary here"
-    )
-    parser.add_argument(
-        "--report",
-        type=Path,
-        default=_env("REPORT"),
-        metavar="DIR",
-        help="write report.html and PNG plots here",
-    )
-    parser.add_argument(
-        "--plain",
-        action="store_true",
-        default=_env_flag("PLAIN"),
-        help="plain progress lines even on a terminal",
-    )
-    parser.add_argument(
-        "--interval",
-        type=positive_float,
-        default=_env("INTERVAL", "5"),
-        metavar="SECONDS",
-        help="seconds between plain progress lines (default 5)",
-    )
+    add("--seed", type=int, default="0", help="seed of workloads and probes")
+    _add_output_options(parser)
     parser.set_defaults(func=run)
 
 
+def _add_engine_options(group: argparse._MutuallyExclusiveGroup) -> None:
+    group.add_argument(
+        "--engines",
+        type=_engine_count,
+        default="2",
+        metavar="N",
+        help="how many engines, each with another cache layout (2: gpt-oss-like and gemma3-like)",
+    )
+    group.add_argument(
+        "--engine",
+        dest="engine_choices",
+        action="extend",
+        type=_engine_choices,
+        metavar="PROFILE:WORKLOAD[:BLOCKS]|vllm",
+        help="run an engine with this profile, workload and pool size (default: the demo's for "
+        "the profile) instead of the --engines line-up; repeat for each engine, 2 to 6, or "
+        "separate them by commas; 'vllm' alone: two real vLLM servers (scripts/setup-vllm "
+        "first) probed with real requests",
+    )
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--workdir",
+        type=Path,
+        metavar="DIR",
+        help="where the services' logs go (default: a new directory under "
+        "$HMAKV_CACHE_DIR/demo, kept after the run)",
+    )
+    add("--json", type=Path, metavar="PATH", help="write the summary here")
+    add("--report", type=Path, metavar="DIR", help="write report.html and PNG plots here")
+    add("--plain", action="store_true", help="plain progress lines even on a terminal")
+    add(
+        "--interval",
+        type=positive_float,
+        default="5",
+        metavar="SECONDS",
+        help="seconds between plain progress lines",
+    )
+
+
 def engines_of(args: argparse.Namespace) -> tuple[EngineSpec, ...]:
-    """The engines asked for: flags before the environment (--engine, --engines, then
-    HMAKV_DEMO_ENGINE, HMAKV_DEMO_ENGINES), else the default line-up of two."""
+    """The engines asked for: --engine's, else the --engines line-up."""
     from hmakv.demo.config import engine_lineup
 
     if args.engine_choices:
         return _chosen(args.engine_choices, args.seed)
-    if args.engines is not None:
-        return engine_lineup(args.engines, args.seed)
-    choices = _env_engines()
-    if choices:
-        return _chosen(choices, args.seed)
-    count = _env("ENGINES") or "2"
-    try:
-        return engine_lineup(_engine_count(count), args.seed)
-    except ValueError as error:
-        raise ValueError(f"HMAKV_DEMO_ENGINES={count!r}: expected 2 to 6") from error
+    return engine_lineup(args.engines, args.seed)
 
 
 def _chosen(choices: list[tuple[str, str, int | None] | str], seed: int) -> tuple[EngineSpec, ...]:
@@ -221,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engines = engines_of(args)
-    except (ValueError, argparse.ArgumentTypeError) as error:
+    except ValueError as error:
         print(f"hmakv demo: {error}", file=sys.stderr)
         return EXIT_BAD_USAGE
     config = DemoConfig(

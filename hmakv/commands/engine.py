@@ -10,7 +10,6 @@ never pay for it.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -27,20 +26,23 @@ from hmakv.argtypes import (
     positive_float,
     positive_int,
 )
-from hmakv.producer.engine.profiles import PROFILES, UnknownProfile
-from hmakv.producer.engine.workloads import WORKLOADS, UnknownWorkload
+from hmakv.producer.engine.profiles import PROFILES
+from hmakv.producer.engine.workloads import WORKLOADS
 
 EXIT_OK = 0
 EXIT_RUNTIME_FAILURE = 1
 EXIT_BAD_USAGE = 2
 
-_ENV_PREFIX = "HMAKV_ENGINE_"
+HELP = "run the reference hybrid engine, publishing vLLM-compatible KV events on ZMQ"
+DESCRIPTION = (
+    "Run the reference hybrid engine (vLLM's KV-cache manager semantics, a toy "
+    "torch model) on a seeded workload and publish its KV-cache events over vLLM's ZMQ "
+    "protocol."
+)
 
-_EPILOG = """\
-Every option can also be set by an environment variable: HMAKV_ENGINE_ and the option name in
-capitals with - as _ (HMAKV_ENGINE_NO_MODEL=1 for --no-model). A status line goes to stderr every
---status-interval seconds and a summary at exit; SIGINT and SIGTERM stop the engine cleanly,
-sending every queued batch first.
+EPILOG = """\
+A status line goes to stderr every --status-interval seconds and a summary at exit; SIGINT and
+SIGTERM stop the engine cleanly, sending every queued batch first.
 
 examples:
   hmakv engine --profile gpt-oss-like --workload chat
@@ -49,24 +51,7 @@ examples:
   hmakv decode --zmq tcp://127.0.0.1:5557     # watch it, in another terminal"""
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(_ENV_PREFIX + name, default)
-
-
-def _env_flag(name: str) -> bool:
-    return (_env(name) or "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "engine",
-        help="run the reference hybrid engine, publishing vLLM-compatible KV events on ZMQ",
-        description="Run the reference hybrid engine (vLLM's KV-cache manager semantics, a toy "
-        "torch model) on a seeded workload and publish its KV-cache events over vLLM's ZMQ "
-        "protocol.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def register(parser: argparse.ArgumentParser) -> None:
     _add_engine_options(parser)
     _add_publisher_options(parser)
     _add_run_options(parser)
@@ -74,106 +59,91 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "--profile",
         choices=sorted(PROFILES),
-        default=_env("PROFILE", "gpt-oss-like"),
-        help="model profile: its KV-cache groups (default gpt-oss-like)",
+        default="gpt-oss-like",
+        help="model profile: its KV-cache groups",
     )
-    parser.add_argument(
+    add(
         "--num-blocks",
         type=positive_int,
-        default=_env("NUM_BLOCKS"),
         help="override the profile's block pool size (null block included)",
     )
-    parser.add_argument(
+    add(
         "--no-model",
         action="store_true",
-        default=_env_flag("NO_MODEL"),
         help="run the scheduler and cache without the torch model (synthetic tokens)",
     )
-    parser.add_argument(
+    add(
         "--device",
-        default=_env("DEVICE"),
         help="torch device for the model, e.g. cpu or cuda:0 (default: cuda if available)",
     )
-    parser.add_argument(
+    add(
         "--token-budget",
         type=positive_int,
-        default=_env("TOKEN_BUDGET", "512"),
-        help="tokens per step, vLLM's max_num_batched_tokens (default 512)",
+        default="512",
+        help="tokens per step, vLLM's max_num_batched_tokens",
     )
-    parser.add_argument(
+    add(
         "--max-running",
         type=positive_int,
-        default=_env("MAX_RUNNING", "64"),
-        help="requests per step, vLLM's max_num_seqs (default 64)",
+        default="64",
+        help="requests per step, vLLM's max_num_seqs",
     )
 
 
 def _add_publisher_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "--endpoint",
-        default=_env("ENDPOINT", "tcp://*:5557"),
-        help="ZMQ PUB endpoint; wildcards bind, host addresses connect (default tcp://*:5557)",
+        default="tcp://*:5557",
+        help="ZMQ PUB endpoint; wildcards bind, host addresses connect",
     )
-    parser.add_argument(
-        "--replay-endpoint",
-        default=_env("REPLAY_ENDPOINT"),
-        help="ZMQ ROUTER endpoint for replay and snapshot requests (default: none)",
-    )
-    parser.add_argument("--topic", default=_env("TOPIC", ""), help="ZMQ topic (default empty)")
-    parser.add_argument(
-        "--worker-name",
-        default=_env("WORKER_NAME", "engine"),
-        help="this engine's name in status output (default engine)",
-    )
-    parser.add_argument(
+    add("--replay-endpoint", help="ZMQ ROUTER endpoint for replay and snapshot requests")
+    add("--topic", default="", help="ZMQ topic (default empty)")
+    add("--worker-name", default="engine", help="this engine's name in status output")
+    add(
         "--dp-rank",
         type=non_negative_int,
-        default=_env("DP_RANK", "0"),
-        help="data-parallel rank: offsets tcp ports and stamps batches, as vLLM does (default 0)",
+        default="0",
+        help="data-parallel rank: offsets tcp ports and stamps batches, as vLLM does",
     )
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "--workload",
         choices=WORKLOADS,
-        default=_env("WORKLOAD", "chat"),
-        help="traffic: chat, documents, random-prefix, or none (API only); default chat",
+        default="chat",
+        help="traffic: chat, documents, random-prefix, or none (API only)",
     )
-    parser.add_argument(
+    add(
         "--rate",
         type=positive_float,
-        default=_env("RATE", "10"),
-        help="workload requests per second, Poisson arrivals (default 10)",
+        default="10",
+        help="workload requests per second, Poisson arrivals",
     )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=_env("SEED", "0"),
-        help="seed of the workload and the model weights (default 0)",
-    )
-    parser.add_argument(
+    add("--seed", type=int, default="0", help="seed of the workload and the model weights")
+    add(
         "--duration",
         type=positive_float,
-        default=_env("DURATION"),
         help="stop after this many seconds (default: run until SIGINT or SIGTERM)",
     )
-    parser.add_argument(
+    add(
         "--api",
         type=host_port,
-        default=_env("API"),
         metavar="HOST:PORT",
         help="serve the HTTP API (requests, lookup, status) here, e.g. 127.0.0.1:8300",
     )
-    parser.add_argument(
+    add(
         "--status-interval",
         type=non_negative_float,
-        default=_env("STATUS_INTERVAL", "5"),
+        default="5",
         metavar="SECONDS",
-        help="seconds between status lines on stderr, 0 for none (default 5)",
+        help="seconds between status lines on stderr, 0 for none",
     )
 
 
@@ -210,9 +180,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except (OSError, RuntimeError) as error:
         return _fail(f"cannot start the engine: {error}", EXIT_RUNTIME_FAILURE)
-    except (ValueError, UnknownProfile, UnknownWorkload) as error:
-        # argparse checks --profile and --workload against their choices, but not a default
-        # taken from HMAKV_ENGINE_PROFILE or _WORKLOAD: the engine's lookup is the check then.
+    except ValueError as error:
         return _fail(str(error), EXIT_BAD_USAGE)
     with _stop_on_signals(engine.request_stop):
         summary = engine.run()

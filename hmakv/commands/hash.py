@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from typing import Any
 
 from hmakv.producer.hashing import (
     HASH_FUNCTIONS,
@@ -21,6 +19,8 @@ from hmakv.producer.hashing import (
 )
 
 USAGE_ERROR = 2
+
+HELP = "print vLLM-compatible block hashes for token ids read on stdin"
 
 DESCRIPTION = """\
 Read token ids (a JSON list of integers) on stdin and print, one line per full block, the
@@ -34,43 +34,30 @@ name and cache_salt. vLLM's pickle-based "sha256" and "xxhash" cannot be reprodu
 engine process.
 """
 
-EXAMPLE = """\
+EPILOG = """\
 example:
   echo '[1, 2, 3, 4, 5, 6, 7, 8]' | hmakv hash --seed 0 --block-size 4
 """
 
 
-def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = subparsers.add_parser(
-        "hash",
-        help="print vLLM-compatible block hashes for token ids read on stdin",
-        description=DESCRIPTION,
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
+def register(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
         "--hash-fn",
-        default=os.environ.get("HMAKV_HASH_FN", "sha256_cbor"),
-        help=f"one of {', '.join(HASH_FUNCTIONS)} (env HMAKV_HASH_FN, default %(default)s)",
+        default="sha256_cbor",
+        env_var="HMAKV_HASH_FN",
+        help=f"one of {', '.join(HASH_FUNCTIONS)}",
     )
-    parser.add_argument(
-        "--seed",
-        default=os.environ.get("HMAKV_HASH_SEED", "0"),
-        help="the engine's PYTHONHASHSEED (env HMAKV_HASH_SEED, default %(default)s)",
-    )
-    parser.add_argument(
-        "--block-size", type=_positive_int, required=True, help="tokens per hash block"
-    )
-    parser.add_argument(
+    add("--seed", default="0", help="the engine's PYTHONHASHSEED")
+    add("--block-size", type=_positive_int, required=True, help="tokens per hash block")
+    add(
         "--group-block-size",
         type=_positive_int,
         help="print hashes of a KV-cache group whose block size is this multiple of --block-size",
     )
-    parser.add_argument("--lora-name", help="the request's LoRA adapter name")
-    parser.add_argument("--cache-salt", help="the request's cache_salt")
-    parser.add_argument(
-        "--hex", action="store_true", help="print full digests in hex instead of external ints"
-    )
+    add("--lora-name", help="the request's LoRA adapter name")
+    add("--cache-salt", help="the request's cache_salt")
+    add("--hex", action="store_true", help="print full digests in hex instead of external ints")
     parser.set_defaults(func=run)
 
 

@@ -10,15 +10,15 @@ import argparse
 import asyncio
 import logging
 import math
-import os
 import signal
 import socket
 
 from aiokafka.errors import KafkaConnectionError
 
 from hmakv.argtypes import (
-    add_cluster_options,
-    host_port,
+    add_kafka_options,
+    add_listen,
+    kafka_security,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -27,7 +27,6 @@ from hmakv.consumers.api import ApiLimits, HashingDefaults
 from hmakv.consumers.follower import MODES, FollowerConfig
 from hmakv.consumers.index import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_TIER_WEIGHTS
 from hmakv.consumers.service import DEFAULT_HOST, DEFAULT_PORT, IndexService, ServiceConfig
-from hmakv.kvlog.kafka_client import KafkaSecurity
 from hmakv.kvlog.records import Topics
 from hmakv.producer.hashing import HASH_FUNCTIONS
 
@@ -37,16 +36,14 @@ EXIT_OK = 0
 EXIT_RUNTIME_FAILURE = 1
 EXIT_BAD_USAGE = 2
 
-_ENV_PREFIX = "HMAKV_INDEX_"
+HELP = "follow the KV-event log in Kafka; serve /v1/score, /v1/workers and /metrics"
+DESCRIPTION = (
+    "Rebuild every worker's KV-cache residency from Kafka (HMA-aware: per cache "
+    "group and medium), answer which worker holds a prompt's prefix, export Prometheus "
+    "metrics, and snapshot the index so that a restart does not re-read the log."
+)
 
-_EPILOG = f"""\
-Every option can also be set by an environment variable: {_ENV_PREFIX} and the option name in
-capitals with - as _ (HMAKV_INDEX_MODE=group for --mode group), except --kafka
-(HMAKV_KAFKA_BOOTSTRAP) and --topic-prefix (HMAKV_TOPIC_PREFIX). Kafka security comes from
-HMAKV_KAFKA_SECURITY_PROTOCOL, HMAKV_KAFKA_SASL_MECHANISM, HMAKV_KAFKA_SASL_USERNAME,
-HMAKV_KAFKA_SASL_PASSWORD, HMAKV_KAFKA_SSL_CAFILE, HMAKV_KAFKA_SSL_CERTFILE and
-HMAKV_KAFKA_SSL_KEYFILE.
-
+EPILOG = """\
 modes:
   replica  every instance reads every partition: each answers score queries on its own
   group    a consumer group splits the partitions: for scaling metrics and analytics
@@ -54,11 +51,13 @@ modes:
 examples:
   hmakv index --kafka 127.0.0.1:9092
   hmakv index --kafka kafka:9092 --listen 0.0.0.0:8181 --snapshot-to file:/var/lib/hmakv/index
-  curl -s localhost:8181/v1/score -d '{{"token_ids": [1, 2, 3]}}'"""
+  curl -s localhost:8181/v1/score -d '{"token_ids": [1, 2, 3]}'"""
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(_ENV_PREFIX + name, default)
+def _tier_weights(text: str) -> list[tuple[str, float]]:
+    """``MEDIUM=WEIGHT``, or several separated by commas (as one HMAKV_INDEX_TIER_WEIGHT holds
+    them)."""
+    return [_tier_weight(part) for part in text.split(",") if part]
 
 
 def _tier_weight(text: str) -> tuple[str, float]:
@@ -75,20 +74,11 @@ def _snapshot_target(text: str) -> str:
     raise ValueError(text)
 
 
-_tier_weight.__name__ = "MEDIUM=WEIGHT"
+_tier_weights.__name__ = "MEDIUM=WEIGHT[,...]"
 _snapshot_target.__name__ = "kafka, file:PATH or none"
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "index",
-        help="follow the KV-event log in Kafka; serve /v1/score, /v1/workers and /metrics",
-        description="Rebuild every worker's KV-cache residency from Kafka (HMA-aware: per cache "
-        "group and medium), answer which worker holds a prompt's prefix, export Prometheus "
-        "metrics, and snapshot the index so that a restart does not re-read the log.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def register(parser: argparse.ArgumentParser) -> None:
     _add_kafka_options(parser)
     _add_snapshot_options(parser)
     _add_api_options(parser)
@@ -96,31 +86,27 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _add_kafka_options(parser: argparse.ArgumentParser) -> None:
-    add_cluster_options(parser, "PREFIX.events, .workers, .snapshots")
-    parser.add_argument(
+    add_kafka_options(parser, "PREFIX.events, .workers, .snapshots")
+    add = parser.add_argument
+    add(
         "--mode",
         choices=MODES,
-        default=_env("MODE", "replica"),
-        help="replica: read every partition; group: share them in a consumer group "
-        "(default replica)",
+        default="replica",
+        help="replica: read every partition; group: share them in a consumer group",
     )
-    parser.add_argument(
-        "--group-id",
-        default=_env("GROUP_ID", "hmakv-index"),
-        help="consumer group in group mode (default hmakv-index)",
-    )
-    parser.add_argument(
+    add("--group-id", default="hmakv-index", help="consumer group in group mode")
+    add(
         "--follower-id",
-        default=_env("FOLLOWER_ID", socket.gethostname()),
+        default=socket.gethostname(),
         help="this instance's name: Kafka client id and snapshot key; keep it stable across "
-        "restarts (default: the host name)",
+        "restarts (default: the host name, here %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--ready-max-lag",
         type=non_negative_int,
-        default=_env("READY_MAX_LAG", "1000"),
+        default="1000",
         help="/readyz answers 200 once caught up with the log ends seen at start, or once at "
-        "most this many records are left (default 1000)",
+        "most this many records are left",
     )
 
 
@@ -128,87 +114,56 @@ def _add_snapshot_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--snapshot-to",
         type=_snapshot_target,
-        default=_env("SNAPSHOT_TO", "kafka"),
-        help="kafka (the compacted PREFIX.snapshots topic), file:PATH, or none (default kafka)",
+        default="kafka",
+        help="kafka (the compacted PREFIX.snapshots topic), file:PATH, or none",
     )
     parser.add_argument(
         "--snapshot-interval",
         type=non_negative_float,
-        default=_env("SNAPSHOT_INTERVAL", "60"),
+        default="60",
         metavar="SECONDS",
-        help="seconds between snapshots; 0: only at exit (default 60)",
+        help="seconds between snapshots; 0: only at exit",
     )
 
 
 def _add_api_options(parser: argparse.ArgumentParser) -> None:
-    limits = ApiLimits()
-    parser.add_argument(
-        "--listen",
-        type=host_port,
-        default=_env("LISTEN", f"{DEFAULT_HOST}:{DEFAULT_PORT}"),
-        help=f"HTTP address for the API and /metrics (env HMAKV_INDEX_LISTEN, default "
-        f"{DEFAULT_HOST}:{DEFAULT_PORT})",
-    )
-    parser.add_argument(
+    add_listen(parser, "the API and /metrics", default=f"{DEFAULT_HOST}:{DEFAULT_PORT}")
+    add = parser.add_argument
+    add(
         "--hash-fn",
         choices=HASH_FUNCTIONS,
-        default=_env("HASH_FN", "sha256_cbor"),
-        help="block hash function for token_ids, as the engines' --prefix-caching-hash-algo "
-        "(default sha256_cbor)",
+        default="sha256_cbor",
+        help="block hash function for token_ids, as the engines' --prefix-caching-hash-algo",
     )
-    parser.add_argument(
-        "--hash-seed",
-        default=_env("HASH_SEED", "0"),
-        help="the engines' PYTHONHASHSEED, which NONE_HASH derives from (default 0)",
+    add(
+        "--hash-seed", default="0", help="the engines' PYTHONHASHSEED, which NONE_HASH derives from"
     )
-    parser.add_argument(
+    add(
         "--block-size",
         type=positive_int,
-        default=_env("BLOCK_SIZE", str(DEFAULT_HASH_BLOCK_SIZE)),
-        help=f"tokens per hashed block: the engines' smallest block size (default "
-        f"{DEFAULT_HASH_BLOCK_SIZE})",
+        default=str(DEFAULT_HASH_BLOCK_SIZE),
+        help="tokens per hashed block: the engines' smallest block size",
     )
     default_weights = ",".join(f"{m}={w}" for m, w in DEFAULT_TIER_WEIGHTS.items())
-    parser.add_argument(
+    add(
         "--tier-weight",
-        type=_tier_weight,
-        action="append",
-        metavar="MEDIUM=WEIGHT",
+        type=_tier_weights,
+        action="extend",
+        metavar="MEDIUM=WEIGHT[,...]",
         help=f"weight of a cache tier in the score, repeatable; a medium without a weight is "
-        f"not scored (default {default_weights}; env: comma-separated)",
+        f"not scored (default {default_weights})",
     )
+    limits = ApiLimits()
     for option, value, what in (
         ("max-body-bytes", limits.max_body_bytes, "bytes in a request body"),
         ("max-prompt-tokens", limits.max_prompt_tokens, "token ids in a score request"),
         ("max-prompt-blocks", limits.max_prompt_blocks, "block hashes in a score request"),
     ):
-        parser.add_argument(
-            f"--{option}",
-            type=positive_int,
-            default=_env(option.upper().replace("-", "_"), str(value)),
-            help=f"most {what} (default {value})",
-        )
-
-
-def _tier_weights(args: argparse.Namespace) -> dict[str, float]:
-    if args.tier_weight:
-        return dict(args.tier_weight)
-    configured = _env("TIER_WEIGHT")
-    if not configured:
-        return dict(DEFAULT_TIER_WEIGHTS)
-    try:
-        return dict(_tier_weight(part) for part in configured.split(",") if part)
-    except ValueError as error:  # float()'s message names neither the variable nor the value
-        raise ValueError(
-            f"{_ENV_PREFIX}TIER_WEIGHT={configured!r}: expected MEDIUM=WEIGHT[,...], "
-            "weights finite and not negative"
-        ) from error
+        add(f"--{option}", type=positive_int, default=value, help=f"most {what}")
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:
     """The parsed options as the service's configuration; ValueError on a bad combination."""
-    if not args.kafka:
-        raise ValueError("--kafka (or HMAKV_KAFKA_BOOTSTRAP) is required")
     host, port = args.listen
     follower = FollowerConfig(
         bootstrap=args.kafka,
@@ -216,9 +171,9 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         mode=args.mode,
         group_id=args.group_id,
         follower_id=args.follower_id,
-        security=KafkaSecurity.from_env(),
+        security=kafka_security(args),
         hash_block_size=args.block_size,
-        tier_weights=_tier_weights(args),
+        tier_weights=dict(args.tier_weight or DEFAULT_TIER_WEIGHTS),
         snapshot_interval_s=args.snapshot_interval,
         ready_max_lag=args.ready_max_lag,
     )

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from hmakv.argtypes import add_command
 from hmakv.kafka import (
     BrokerDist,
     BrokerStartError,
@@ -31,7 +32,6 @@ from hmakv.kafka import (
     StateFileError,
     StateLockError,
     broker_answers,
-    default_dist,
     fetch_jars,
     local_broker,
     state_file,
@@ -45,14 +45,13 @@ log = logging.getLogger(__name__)
 _STOPPED_EXIT_CODES = (0, 128 + signal.SIGTERM, -signal.SIGTERM)
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    kafka = subparsers.add_parser(
-        "kafka",
-        help="run a local single-node broker (Apache Kafka or Tansu) on 127.0.0.1",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    actions = kafka.add_subparsers(dest="kafka_action", metavar="ACTION", required=True)
+HELP = "run a local single-node broker (Apache Kafka or Tansu) on 127.0.0.1"
+DESCRIPTION = __doc__
+EPILOG = None
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="kafka_action", metavar="ACTION", required=True)
     _add_start(actions)
     actions.add_parser("stop", help="stop the broker `start` left running").set_defaults(func=stop)
     actions.add_parser(
@@ -64,29 +63,24 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _add_start(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    start_parser = actions.add_parser(
-        "start", help="start a broker, wait until it is ready, print its bootstrap address"
+    start_parser = add_command(
+        actions,
+        "start",
+        help="start a broker, wait until it is ready, print its bootstrap address",
+        parent="kafka",
     )
-    start_parser.add_argument(
-        "--dist",
-        type=BrokerDist,
-        choices=list(BrokerDist),
-        help="broker software (env HMAKV_KAFKA_DIST, default tansu)",
+    add = start_parser.add_argument
+    add(
+        "--dist", type=BrokerDist, choices=list(BrokerDist), default="tansu", help="broker software"
     )
-    start_parser.add_argument("--port", type=int, help="listener port (default: a free one)")
-    start_parser.add_argument(
+    add("--port", type=int, help="listener port (default: a free one)")
+    add(
         "--data-dir",
         type=_directory,
         help="keep config, log and (Apache) topics here; default: a temporary dir `stop` removes",
     )
-    start_parser.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds to wait for readiness (default 120)"
-    )
-    start_parser.add_argument(
-        "--foreground",
-        action="store_true",
-        help="stay attached; Ctrl-C or SIGTERM stops the broker",
-    )
+    add("--timeout", type=float, default="120", help="seconds to wait for readiness")
+    add("--foreground", action="store_true", help="stay attached; Ctrl-C or SIGTERM stops it")
     start_parser.set_defaults(func=start)
 
 
@@ -118,13 +112,8 @@ def _unreadable_state_fails(action: Action) -> Action:
 
 @_unreadable_state_fails
 def start(args: argparse.Namespace) -> int:
-    try:
-        dist = args.dist or default_dist()
-    except ValueError:
-        log.error("HMAKV_KAFKA_DIST must be one of: %s", ", ".join(BrokerDist))
-        return 2
     broker = local_broker(
-        dist, port=args.port, data_dir=args.data_dir, startup_timeout_s=args.timeout
+        args.dist, port=args.port, data_dir=args.data_dir, startup_timeout_s=args.timeout
     )
     try:
         if args.foreground:

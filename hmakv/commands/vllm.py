@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from hmakv.argtypes import positive_int
+from hmakv.argtypes import add_command, positive_int
 from hmakv.kafka.process import LOOPBACK, free_port
 from hmakv.vllm.profiles import PROFILES
 from hmakv.vllm.server import (
@@ -27,12 +27,10 @@ from hmakv.vllm.server import (
 EXIT_OK = 0
 EXIT_RUNTIME_FAILURE = 1
 
-_ENV_PREFIX = "HMAKV_VLLM_"
+HELP = "run real vLLM (CPU) with a tiny hybrid model and KV events on"
+DESCRIPTION = "Real vLLM on the CPU: list the model profiles, build one, or serve it."
 
-_EPILOG = """\
-Every option can also be set by an environment variable: HMAKV_VLLM_ and the option name in
-capitals with - as _ (HMAKV_VLLM_PROFILE=gemma3-swa64).
-
+EPILOG = """\
 examples:
   scripts/setup-vllm                                   # once: vLLM's own venv
   hmakv vllm profiles
@@ -40,73 +38,52 @@ examples:
   hmakv decode --zmq tcp://127.0.0.1:5557 --topic kv-events     # watch its events"""
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(_ENV_PREFIX + name, default)
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "vllm",
-        help="run real vLLM (CPU) with a tiny hybrid model and KV events on",
-        description="Real vLLM on the CPU: list the model profiles, build one, or serve it.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def register(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="vllm_action", metavar="ACTION", required=True)
     listing = actions.add_parser("profiles", help="the model profiles and their layer layouts")
     listing.set_defaults(func=list_profiles)
-    model = actions.add_parser("model", help="build a profile's model (if not built) and print it")
-    _add_profile(model)
+    model = _add_action(actions, "model", "build a profile's model (if not built) and print it")
     model.set_defaults(func=build)
-    serve = actions.add_parser("serve", help="serve a profile with vLLM, KV events on")
-    _add_profile(serve)
+    serve = _add_action(actions, "serve", "serve a profile with vLLM, KV events on")
     _add_serve_options(serve)
     serve.set_defaults(func=run_server)
 
 
-def _add_profile(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--profile",
-        choices=sorted(PROFILES),
-        default=_env("PROFILE", "gemma3-swa64"),
-        help="model profile (default gemma3-swa64)",
+def _add_action(
+    actions: argparse._SubParsersAction[argparse.ArgumentParser], name: str, what: str
+) -> argparse.ArgumentParser:
+    """An action's parser, with --profile."""
+    action = add_command(actions, name, help=what, parent="vllm")
+    action.add_argument(
+        "--profile", choices=sorted(PROFILES), default="gemma3-swa64", help="model profile"
     )
+    return action
 
 
 def _add_serve_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
     for option, what in (
         ("port", "the OpenAI API's port"),
         ("events-port", "the KV events' PUB port"),
         ("replay-port", "the KV events' replay (ROUTER) port"),
     ):
-        parser.add_argument(
-            f"--{option}",
-            type=positive_int,
-            default=_env(option.upper().replace("-", "_")),
-            help=f"{what} (default: a free one)",
-        )
-    parser.add_argument(
-        "--topic",
-        default=_env("TOPIC", DEFAULT_TOPIC),
-        help="the KV events' ZMQ topic (default %(default)s)",
-    )
-    parser.add_argument(
+        add(f"--{option}", type=positive_int, help=f"{what} (default: a free one)")
+    add("--topic", default=DEFAULT_TOPIC, help="the KV events' ZMQ topic")
+    add(
         "--num-gpu-blocks",
         type=positive_int,
-        default=_env("NUM_GPU_BLOCKS"),
         help="the block pool, vLLM's --num-gpu-blocks-override (default: the profile's, small "
         "so that the cache evicts)",
     )
-    parser.add_argument(
+    add(
         "--omp-threads",
         type=positive_int,
-        default=_env("OMP_THREADS", "1"),
-        help="vLLM's CPU threads (default 1: the pipeline needs the other core)",
+        default="1",
+        help="vLLM's CPU threads (1: the pipeline needs the other core)",
     )
-    parser.add_argument(
+    add(
         "--hmakv-publisher",
         action="store_true",
-        default=(_env("HMAKV_PUBLISHER") or "").strip() == "1",
         help="publish through hmakv's publisher (the vLLM plugin, HMAKV_VLLM_PUBLISHER=1)",
     )
 

@@ -22,7 +22,7 @@ import msgspec
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from hmakv.argtypes import add_cluster_options
+from hmakv.argtypes import add_command, add_kafka_options, kafka_security
 from hmakv.bridge.resume import read_worker_states
 from hmakv.kvlog.kafka_client import KafkaSecurity, start_producer, topic_partitions
 from hmakv.kvlog.records import RETIRED, Topics, WorkerState, encode
@@ -30,7 +30,13 @@ from hmakv.producer.events import GroupSpec
 
 EXIT_OK, EXIT_KAFKA, EXIT_USAGE = 0, 1, 2
 
-_EPILOG = """\
+HELP = "list, retire or forget workers in the workers topic"
+DESCRIPTION = (
+    "List the workers topic, retire workers no bridge follows any more, forget "
+    "workers whose records are past retention."
+)
+
+EPILOG = """\
 examples:
   hmakv workers list --kafka 127.0.0.1:9092
   hmakv workers retire engine-a-dp0 engine-a-dp1 --kafka 127.0.0.1:9092  # no bridge follows it
@@ -46,36 +52,33 @@ class WorkersError(Exception):
     """A request the topic cannot satisfy; the message says why (exit 2)."""
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "workers",
-        help="list, retire or forget workers in the workers topic",
-        description="List the workers topic, retire workers no bridge follows any more, forget "
-        "workers whose records are past retention.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    kafka = argparse.ArgumentParser(add_help=False)  # the same options after every action
-    add_cluster_options(kafka, "PREFIX.workers")
+def register(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    listing = actions.add_parser("list", parents=[kafka], help="every worker's latest state")
+    listing = _add_action(actions, "list", "every worker's latest state")
     listing.add_argument("--json", action="store_true", help="one JSON object per line")
     for action, what in (
         ("retire", "write workers' latest states again, retired"),
         ("forget", "write tombstones: the topic forgets workers"),
     ):
-        named = actions.add_parser(action, parents=[kafka], help=what)
+        named = _add_action(actions, action, what)
         named.add_argument("workers", nargs="+", metavar="WORKER")
     parser.set_defaults(func=run)
 
 
+def _add_action(
+    actions: argparse._SubParsersAction[argparse.ArgumentParser], name: str, what: str
+) -> argparse.ArgumentParser:
+    """An action's parser, with the Kafka options (after the action, as every action takes
+    them)."""
+    action = add_command(actions, name, help=what, parent="workers")
+    add_kafka_options(action, "PREFIX.workers")
+    return action
+
+
 def run(args: argparse.Namespace) -> int:
-    if not args.kafka:
-        print("hmakv workers: --kafka (or HMAKV_KAFKA_BOOTSTRAP) is required", file=sys.stderr)
-        return EXIT_USAGE
     try:
-        security = KafkaSecurity.from_env()
-    except ValueError as error:  # HMAKV_KAFKA_*: bad usage, as the bridge and index say it
+        security = kafka_security(args)
+    except ValueError as error:  # bad usage, as the bridge and index say it
         print(f"hmakv workers: {error}", file=sys.stderr)
         return EXIT_USAGE
     try:

@@ -1,8 +1,9 @@
 """HTTP to the engines' API and the index's API, as any router would speak it.
 
-Only the fields the demo reads are declared; anything else in an answer is ignored, so the demo
-keeps working while those APIs grow. Every call has a timeout: a stuck service must show up as
-an error in the demo, never as a hang.
+The index's score answer is decoded with its contract, ``kvlog.answers.ScoreResponse``, the
+structs the index itself encodes. Of the other answers only the fields the demo reads are
+declared; anything else in an answer is ignored, so the demo keeps working while those APIs grow.
+Every call has a timeout: a stuck service must show up as an error in the demo, never as a hang.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
+
+from hmakv.kvlog.answers import ScoreResponse
 
 T = TypeVar("T")
 
@@ -57,27 +60,6 @@ class GroupSpecView(msgspec.Struct, frozen=True):
     kind: str
     block_size: int
     sliding_window: int | None = None
-
-
-class WorkerHit(msgspec.Struct, frozen=True):
-    """One worker's predicted hit: HMA-aware, and what a group-blind index would say."""
-
-    worker: str
-    hit_tokens: int
-    group_blind_hit_tokens: int
-    health: str
-    catalog_ok: bool
-
-
-class GroupBlindAnswer(msgspec.Struct, frozen=True):
-    best: str | None
-    hit_tokens: int
-
-
-class ScoreAnswer(msgspec.Struct, frozen=True):
-    best: str | None
-    workers: list[WorkerHit]
-    group_blind: GroupBlindAnswer
 
 
 class WorkerView(msgspec.Struct, frozen=True):
@@ -186,9 +168,9 @@ class IndexClient:
         self.http = http
         self.base_url = base_url
 
-    async def score(self, token_ids: Sequence[int]) -> ScoreAnswer:
+    async def score(self, token_ids: Sequence[int]) -> ScoreResponse:
         return await self.http.post(
-            f"{self.base_url}/v1/score", {"token_ids": list(token_ids)}, ScoreAnswer
+            f"{self.base_url}/v1/score", {"token_ids": list(token_ids)}, ScoreResponse
         )
 
     async def workers(self) -> WorkersAnswer:

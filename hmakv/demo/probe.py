@@ -35,13 +35,13 @@ from aiokafka.errors import KafkaError
 from hmakv.demo.client import (
     EngineClient,
     IndexClient,
-    ScoreAnswer,
     ServiceError,
     WorkersAnswer,
     WorkerView,
 )
 from hmakv.demo.prompts import PromptSource
 from hmakv.demo.recordlog import RecordLog
+from hmakv.kvlog.answers import Rank, ScoreResponse, best_worker
 
 MAX_ATTEMPTS = 4
 CATCH_UP_TIMEOUT_S = 5.0
@@ -154,13 +154,31 @@ async def probe_until(
 
 
 def judge_decisions(stats: ProbeStats, comparisons: Sequence[Comparison]) -> None:
-    """Would routing by each answer have picked a worker with the longest real hit?"""
+    """Would routing by each answer have picked a worker with the longest real hit?
+
+    Each answer picks as the index names its best workers (``kvlog.answers.best_worker``): the
+    longest predicted hit, the first name among equal ones. An answer with no hit anywhere names
+    no worker, and is right only when no worker had a real hit either.
+    """
     best_actual = max(c.actual for c in comparisons)
-    hma_choice = max(comparisons, key=lambda c: (c.hma, c.worker))
-    blind_choice = max(comparisons, key=lambda c: (c.group_blind, c.worker))
     stats.decisions += 1
-    stats.hma_decisions_right += hma_choice.actual == best_actual
-    stats.blind_decisions_right += blind_choice.actual == best_actual
+    stats.hma_decisions_right += _picks_right(comparisons, _hma_prediction, best_actual)
+    stats.blind_decisions_right += _picks_right(comparisons, _blind_prediction, best_actual)
+
+
+def _picks_right(
+    comparisons: Sequence[Comparison], rank: Callable[[Comparison], Rank], best_actual: int
+) -> bool:
+    choice = best_worker(comparisons, rank)
+    return (choice.actual if choice is not None else 0) == best_actual
+
+
+def _hma_prediction(comparison: Comparison) -> Rank:
+    return (comparison.hma,)
+
+
+def _blind_prediction(comparison: Comparison) -> Rank:
+    return (comparison.group_blind,)
 
 
 def by_worker(answer: WorkersAnswer) -> dict[str, WorkerView]:
@@ -204,7 +222,7 @@ class Prober:
         self.stats.probes += 1
         pending = set(self._engines)
         matched: dict[str, Comparison] = {}
-        answer: ScoreAnswer | None = None
+        answer: ScoreResponse | None = None
         for _ in range(MAX_ATTEMPTS):
             self.stats.attempts += 1
             answer, found = await self._attempt(prompt, pending)
@@ -221,7 +239,7 @@ class Prober:
 
     async def _attempt(
         self, prompt: tuple[int, ...], workers: set[str]
-    ) -> tuple[ScoreAnswer | None, dict[str, Comparison]]:
+    ) -> tuple[ScoreResponse | None, dict[str, Comparison]]:
         samples: EngineSamples = {worker: {} for worker in workers}
         awaited = await self._sample_engines(prompt, samples)
         started = time.monotonic()
@@ -290,7 +308,7 @@ class Prober:
             return False
         return holds_exactly(view, seq, self._log)
 
-    def _route(self, prompt: tuple[int, ...], answer: ScoreAnswer) -> None:
+    def _route(self, prompt: tuple[int, ...], answer: ScoreResponse) -> None:
         """Send the prompt to the index's best worker (any worker when none holds a prefix)."""
         if len(self._routing) >= MAX_ROUTED_IN_FLIGHT:
             return

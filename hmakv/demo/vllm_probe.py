@@ -30,7 +30,6 @@ from hmakv.demo.client import (
     EngineGroup,
     EngineStatus,
     IndexClient,
-    ScoreAnswer,
     VllmClient,
     WorkerView,
 )
@@ -45,6 +44,7 @@ from hmakv.demo.probe import (
     probe_until,
     same_state,
 )
+from hmakv.kvlog.answers import ScoreResponse
 from hmakv.vllm.profiles import HASH_FN, HASH_SEED, VllmProfile
 from hmakv.vllm.witness import EventWitness, WitnessState
 from hmakv.vllm.workload import VllmPrompts
@@ -185,7 +185,7 @@ class VllmProber:
 
     def _predictions(
         self,
-        answer: ScoreAnswer,
+        answer: ScoreResponse,
         views: dict[str, WorkerView],
         views_after: dict[str, WorkerView],
         through: dict[str, int],

@@ -29,7 +29,7 @@ from bridge_harness import (
     step_batch,
 )
 
-import hmakv.bridge.service as bridge_service
+import hmakv.bridge.roster as bridge_roster
 from hmakv.bridge.config import EngineConfig
 from hmakv.kvlog.records import EventRecord
 from hmakv.producer.events import AllBlocksCleared, BlockRemoved, encode
@@ -505,7 +505,7 @@ async def test_a_pod_past_max_workers_waits_for_a_silent_one_to_be_retired(
             await asyncio.to_thread(publish_steps, [pods["pod-c"]], 20)
             unknown = "hmakv_bridge_frames_rejected_total"
             await metric_reaches(bridge, unknown, 1, reason="worker_unknown")
-            monkeypatch.setattr(bridge_service, "RETIRE_SILENT_AFTER_S", 0.5)
+            monkeypatch.setattr(bridge_roster, "RETIRE_SILENT_AFTER_S", 0.5)
             await asyncio.sleep(1.0)  # pod-a and pod-b fall silent
             await asyncio.to_thread(publish_steps, [pods["pod-c"]], 20)
             log = KafkaLog(kafka_bootstrap, settings.topics)

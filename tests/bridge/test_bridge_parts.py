@@ -20,16 +20,10 @@ from hmakv.bridge.config import (
     load_engines_file,
     parse_engine_flag,
 )
-from hmakv.bridge.frames import (
-    Rejected,
-    RejectReason,
-    decode_payload,
-    llmd_pod,
-    split_live,
-    split_reply,
-)
+from hmakv.bridge.frames import Rejected, RejectReason, decode_payload, split_live, split_reply
 from hmakv.bridge.outbox import Outgoing
-from hmakv.bridge.relay import WorkerRelay
+from hmakv.bridge.relay import Handled, WorkerRelay
+from hmakv.bridge.roster import llmd_pod
 from hmakv.bridge.service import BridgeSettings, check_topology
 from hmakv.bridge.tracking import (
     Clear,
@@ -38,7 +32,6 @@ from hmakv.bridge.tracking import (
     GapUnrecoverable,
     HealthChanged,
     SequenceTracker,
-    Step,
 )
 from hmakv.consumers.index import KVIndex
 from hmakv.kvlog import records
@@ -358,10 +351,10 @@ def store(group: int) -> BlockStored:
     return BlockStored([group], None, [1] * 16, 16, None, "GPU", None, group_idx=group)
 
 
-def relay(max_record_bytes: int = 1 << 20) -> WorkerRelay:
+def relay(max_record_bytes: int = 1 << 20, *, can_fetch: bool = False) -> WorkerRelay:
     return WorkerRelay(
         "w",
-        SequenceTracker(can_fetch=False),
+        SequenceTracker(can_fetch=can_fetch),
         GroupCatalog(),
         topics=Topics("t"),
         data_parallel_rank=0,
@@ -389,8 +382,8 @@ def test_a_group_too_large_for_one_record_is_split_over_parts_of_its_seq() -> No
     big = [store(0) for _ in range(40)]
     limit = len(records.encode(EventRecord("w", 0, 1, 2.0, 0, big[:10], 0))) + 8
     worker = relay(max_record_bytes=limit)
-    worker.tracker.on_live(0, KVEventBatch(1.0, [], 0))
-    handled = worker.handle(worker.tracker.on_live(1, KVEventBatch(2.0, [*big, store(1)], 0)), 3.0)
+    worker.on_live(0, KVEventBatch(1.0, [], 0), 1.0)
+    handled = worker.on_live(1, KVEventBatch(2.0, [*big, store(1)], 0), 3.0)
     assert [type(e) for e in handled.events] == [Forward]
     [outgoing] = handled.outgoing
     assert (outgoing.seq, outgoing.engine_batch) == (1, True)
@@ -406,21 +399,21 @@ def test_a_group_too_large_for_one_record_is_split_over_parts_of_its_seq() -> No
     assert all(len(r.value) <= limit for r in outgoing.records)
     firsts = [dict(r.headers).get("first_event") for r in outgoing.records]
     assert firsts == [None, b"10", b"20", b"30", None]
-    assert worker.tracker.health == "live"
+    assert worker.health == "live"
 
 
 def test_a_batch_with_an_event_too_large_for_kafka_is_lost_and_clears_the_worker() -> None:
     worker = relay(max_record_bytes=64)
-    worker.tracker.on_live(0, KVEventBatch(1.0, [], 0))
-    handled = worker.handle(worker.tracker.on_live(1, KVEventBatch(2.0, [store(0)], 0)), now=3.0)
+    worker.on_live(0, KVEventBatch(1.0, [], 0), 1.0)
+    handled = worker.on_live(1, KVEventBatch(2.0, [store(0)], 0), now=3.0)
     assert [type(e) for e in handled.events] == [Forward, GapUnrecoverable, Clear, HealthChanged]
     [outgoing] = handled.outgoing
     assert (outgoing.seq, outgoing.engine_batch) == (1, False)
-    assert worker.tracker.health == "degraded"
+    assert worker.health == "degraded"
 
 
-def fetch_of(steps: list[Step] | list[Fetch]) -> Fetch:
-    [fetch] = [s for s in steps if isinstance(s, Fetch)]
+def fetch_of(fetches: list[Fetch]) -> Fetch:
+    [fetch] = fetches
     return fetch
 
 
@@ -429,16 +422,15 @@ HUGE = BlockStored([9], None, [1] * 500, 16, None, "GPU", None)  # over 300 byte
 
 def replaying_relay(max_record_bytes: int) -> tuple[WorkerRelay, Fetch]:
     """A relay whose tracker forwarded seq 0 and replays seq 1, holding what comes live."""
-    worker = relay(max_record_bytes)
-    worker.tracker = SequenceTracker(can_fetch=True)
-    worker.handle(worker.tracker.on_live(0, batch_at(0)), 0.0)
-    replay = fetch_of(worker.handle(worker.tracker.on_live(2, batch_at(2)), 0.0).fetches)
+    worker = relay(max_record_bytes, can_fetch=True)
+    worker.on_live(0, batch_at(0), 0.0)
+    replay = fetch_of(worker.on_live(2, batch_at(2), 0.0).fetches)
     return worker, replay
 
 
 def reply(worker: WorkerRelay, replay: Fetch) -> None:
     for seq in range(3):
-        worker.handle(worker.tracker.on_fetched(replay.fetch_id, seq, batch_at(seq)), 0.0)
+        worker.on_fetched(replay.fetch_id, seq, batch_at(seq), 0.0)
 
 
 def batch_at(seq: int) -> KVEventBatch:
@@ -449,25 +441,25 @@ def test_a_batch_lost_after_a_replay_leaves_the_worker_reported_degraded() -> No
     """The tracker ends the replay's answer with "live" before the relay finds a held batch
     unwritable: the shell must be told the health that holds after it, last."""
     worker, replay = replaying_relay(max_record_bytes=300)
-    worker.handle(worker.tracker.on_live(3, KVEventBatch(3.0, [HUGE], 0)), 0.0)
+    worker.on_live(3, KVEventBatch(3.0, [HUGE], 0), 0.0)
     reply(worker, replay)
-    handled = worker.handle(worker.tracker.on_fetch_end(replay.fetch_id), 0.0)
+    handled = worker.on_fetch_end(replay.fetch_id, 0.0)
     health = [e.health for e in handled.events if isinstance(e, HealthChanged)]
     assert health == ["degraded"]
-    assert worker.tracker.health == "degraded"
+    assert worker.health == "degraded"
     assert [(o.seq, o.engine_batch) for o in handled.outgoing] == [(3, False)]
 
 
 def test_an_engine_clear_after_a_lost_batch_in_the_same_answer_makes_the_worker_whole() -> None:
     worker, replay = replaying_relay(max_record_bytes=300)
-    worker.handle(worker.tracker.on_live(3, KVEventBatch(3.0, [HUGE], 0)), 0.0)
-    worker.handle(worker.tracker.on_live(4, KVEventBatch(4.0, [AllBlocksCleared()], 0)), 0.0)
+    worker.on_live(3, KVEventBatch(3.0, [HUGE], 0), 0.0)
+    worker.on_live(4, KVEventBatch(4.0, [AllBlocksCleared()], 0), 0.0)
     reply(worker, replay)
-    handled = worker.handle(worker.tracker.on_fetch_end(replay.fetch_id), 0.0)
+    handled = worker.on_fetch_end(replay.fetch_id, 0.0)
     assert [e.health for e in handled.events if isinstance(e, HealthChanged)] == ["live"]
-    assert worker.tracker.health == "live"
+    assert worker.health == "live"
     assert [(o.seq, o.engine_batch) for o in handled.outgoing] == [(3, False), (4, True)]
-    later = worker.handle(worker.tracker.on_live(5, KVEventBatch(5.0, [], 0)), 0.0)
+    later = worker.on_live(5, KVEventBatch(5.0, [], 0), 0.0)
     assert [e for e in later.events if isinstance(e, HealthChanged)] == []
 
 
@@ -476,22 +468,21 @@ def test_a_snapshot_after_a_refusals_clear_at_its_seq_rebuilds_the_index() -> No
     record at a seq they applied from the first event not applied, past the snapshot's own
     clear. Its position is no resume point: a restart checks a resumed seq's ts against the
     engine's batch at that seq, and the snapshot's ts is another."""
-    worker = relay()
-    worker.tracker = SequenceTracker(can_fetch=True)
+    worker = relay(can_fetch=True)
     index = KVIndex()
     out: list[Outgoing] = []
 
-    def run(steps: list[Step]) -> list[Step]:
-        out.extend(worker.handle(steps, 5.0).outgoing)
-        return steps
+    def run(handled: Handled) -> Handled:
+        out.extend(handled.outgoing)
+        return handled
 
-    run(worker.tracker.on_live(0, KVEventBatch(0.0, [store(0), store(1)], 0)))
-    run(worker.tracker.on_live(1, KVEventBatch(1.0, [], 0)))
-    snapshot = fetch_of(run(worker.tracker.on_delivery_failed(0, 1)))
+    run(worker.on_live(0, KVEventBatch(0.0, [store(0), store(1)], 0), 5.0))
+    run(worker.on_live(1, KVEventBatch(1.0, [], 0), 5.0))
+    snapshot = fetch_of(run(worker.on_delivery_failed(0, 1, 5.0)).fetches)
     stored = [store(0), store(1)]
     snapshot_batch = KVEventBatch(9.0, [AllBlocksCleared(), *stored], 0)
-    run(worker.tracker.on_fetched(snapshot.fetch_id, 1, snapshot_batch))
-    run(worker.tracker.on_fetch_end(snapshot.fetch_id))
+    run(worker.on_fetched(snapshot.fetch_id, 1, snapshot_batch, 5.0))
+    run(worker.on_fetch_end(snapshot.fetch_id, 5.0))
     for item in out:
         for record in item.records:
             index.apply(records.decode_event_record(record.value))

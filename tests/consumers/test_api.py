@@ -20,9 +20,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from hmakv.consumers.api import ApiLimits, HashingDefaults, ScoreApi, ScoreStats, build_app
+from hmakv.consumers.api import ApiLimits, HashingDefaults, ScoreApi, build_app
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.metrics import index_registry
+from hmakv.consumers.stats import ScoreStats
 from hmakv.kvlog.records import EventRecord, Topics
 from hmakv.producer.events import BlockRemoved, BlockStored, ExternalBlockHash, decode
 from hmakv.producer.hashing import BlockHasher, block_extra_keys, external

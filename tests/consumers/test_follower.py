@@ -35,11 +35,12 @@ from follower_kit import (
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hmakv.consumers.api import ScoreApi, ScoreStats, build_app
+from hmakv.consumers.api import ScoreApi, build_app
 from hmakv.consumers.follower import Follower
 from hmakv.consumers.index import ApplyOutcome, KVIndex
 from hmakv.consumers.metrics import index_registry
 from hmakv.consumers.snapshots import FileSnapshotStore
+from hmakv.consumers.stats import ScoreStats
 from hmakv.kvlog.records import EventRecord, encode, event_key
 from hmakv.producer.events import GroupSpec
 

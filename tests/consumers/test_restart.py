@@ -29,11 +29,11 @@ from follower_kit import (
 )
 from prometheus_client import generate_latest
 
-from hmakv.consumers.api import ScoreStats
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.metrics import index_registry
 from hmakv.consumers.service import IndexService, ServiceConfig
 from hmakv.consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore, unpack
+from hmakv.consumers.stats import ScoreStats
 from hmakv.kafka import unique_topic
 from hmakv.kvlog.kafka_client import TopicSpec, create_consumer
 from hmakv.kvlog.records import EventRecord, Topics

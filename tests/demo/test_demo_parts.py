@@ -279,9 +279,16 @@ def test_engine_flags_come_before_the_environment(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("HMAKV_DEMO_ENGINE")
     monkeypatch.setenv("HMAKV_DEMO_ENGINES", "3")
     assert len(engines_of(build_parser().parse_args(["demo"]))) == 3
+
+
+def test_a_bad_engine_count_from_the_environment_exits_2_naming_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("HMAKV_DEMO_ENGINES", "9")
-    with pytest.raises(ValueError, match="HMAKV_DEMO_ENGINES='9': expected 2 to 6"):
-        engines_of(build_parser().parse_args(["demo"]))
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["demo"])
+    assert exit_.value.code == 2
+    assert "--engines: invalid engine count (2 to 6) value: '9'" in capsys.readouterr().err
 
 
 def run_script(script: str, workdir: Path) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,7 @@ import sysconfig
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path, PurePosixPath
@@ -274,30 +274,6 @@ def test_every_hmakv_service_runs_a_known_subcommand() -> None:
         assert subcommand in known, f"service {name} runs `hmakv {subcommand}`, which hmakv lacks"
 
 
-class _RecordingEnviron(MutableMapping[str, str]):
-    """A stand-in for os.environ that remembers which variables were looked up."""
-
-    def __init__(self, values: Mapping[str, str]) -> None:
-        self._values = dict(values)
-        self.read: set[str] = set()
-
-    def __getitem__(self, key: str) -> str:
-        self.read.add(key)
-        return self._values[key]
-
-    def __setitem__(self, key: str, value: str) -> None:
-        self._values[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        del self._values[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-
 def container_environ(service: Mapping[str, Any]) -> dict[str, str]:
     """The service's environment, container paths replaced by the repository files mounted there
     and nothing of this process's own environment."""
@@ -310,19 +286,22 @@ def container_environ(service: Mapping[str, Any]) -> dict[str, str]:
 
 def parse_service_command(
     service: Mapping[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> tuple[argparse.Namespace, set[str]]:
-    """What the real hmakv parser makes of a service's command in its container environment, and
-    which variables it looked up doing so."""
-    environ = _RecordingEnviron(container_environ(service))
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The real hmakv parser, and what it makes of a service's command in its container
+    environment (os.environ holds only that meanwhile: ConfigArgParse reads that object)."""
+    parser = build_parser()
     with monkeypatch.context() as patch:
-        patch.setattr(os, "environ", environ)
+        for key in list(os.environ):
+            patch.delenv(key)
+        for key, value in container_environ(service).items():
+            patch.setenv(key, value)
         try:
-            args = build_parser().parse_args(command_of(service))
+            args = parser.parse_args(command_of(service))
         except SystemExit as exit_:
             pytest.fail(
                 f"`hmakv {' '.join(command_of(service))}` exits {exit_.code} (stderr above)"
             )
-    return args, environ.read
+    return parser, args
 
 
 @pytest.mark.parametrize("name", HMAKV_SERVICES)
@@ -330,15 +309,14 @@ def test_hmakv_service_environment_is_what_the_cli_reads(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The real parser accepts the service's command in the service's environment, and reads
-    every HMAKV_* variable the service sets (or names it in --help, for one read later)."""
+    every HMAKV_* variable the service sets: the variables --help names are those it reads (a
+    subcommand's, once it has parsed a command line)."""
     service = SERVICES[name]
     settings = {key for key in service_env(service) if key.startswith("HMAKV_")}
-    parser = build_parser()
+    parser, _ = parse_service_command(service, monkeypatch)
     subcommand = subcommand_of(name)
-    documented = set(_ENV_NAME.findall(parser.format_help()))
-    documented |= set(_ENV_NAME.findall(subparsers(parser)[subcommand].format_help()))
-    _, read = parse_service_command(service, monkeypatch)
-    understood = documented | read
+    understood = set(_ENV_NAME.findall(parser.format_help()))
+    understood |= set(_ENV_NAME.findall(subparsers(parser)[subcommand].format_help()))
     unknown = sorted(settings - understood)
     assert unknown == [], f"{name} sets variables `hmakv {subcommand}` ignores: {unknown}"
 
@@ -546,7 +524,7 @@ def test_engines_run_both_profiles_on_cpu_without_the_model_by_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     engines = [name for name in HMAKV_SERVICES if subcommand_of(name) == "engine"]
-    parsed = {name: parse_service_command(SERVICES[name], monkeypatch)[0] for name in engines}
+    parsed = {name: parse_service_command(SERVICES[name], monkeypatch)[1] for name in engines}
     assert sorted(args.profile for args in parsed.values()) == ["gemma3-like", "gpt-oss-like"]
     for name, args in parsed.items():
         assert args.no_model is True, name
@@ -871,5 +849,5 @@ def test_the_index_keeps_its_snapshot_key_when_its_container_is_recreated(
 ) -> None:
     """--follower-id keys the index's snapshots; its default, the hostname, is a new container
     id each time the container is recreated, and the index would read the whole log again."""
-    args, _ = parse_service_command(SERVICES["index"], monkeypatch)
+    _, args = parse_service_command(SERVICES["index"], monkeypatch)
     assert args.follower_id == "index"

@@ -1,0 +1,408 @@
+"""A prompt scored against the index's packed residency: every worker's answer, best first.
+
+``KVIndex`` keeps the structure (lanes, packed ints, catalogs); this module reads it for one
+prompt and assembles the per-worker answers (``kvlog.answers.WorkerHit``). It changes nothing
+in the index, and imports nothing of it: the index hands it a ``Fleet``, a read-only view.
+
+Why it is shaped this way:
+
+- The prompt is looked up once per hash block and medium (``_Residency``); one packed int
+  answers for every group's lane, a tier ladder ORs its media's values, a larger block size
+  takes every k-th hash block's value. Every catalog class, tier and the group-blind scan share
+  these columns.
+- vLLM's rule (``hit_rule.longest_hits``) runs once per catalog class for all its workers at
+  once, over bitsets; answers come back as (tokens, workers) pairs.
+- The fleet splits into parts only where answers differ (``_Answers``), so a fleet that mostly
+  holds the same prefix builds a handful of payloads, not one per worker, and each worker's
+  ``WorkerHit`` is made once, at the end, in one C-level pass per part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import reduce
+from itertools import compress, groupby, repeat
+from operator import and_, attrgetter, or_
+from typing import NamedTuple, Protocol
+
+from hmakv.consumers.hit_rule import Acceptance, Column, GroupRule, alignment, longest_hits
+from hmakv.kvlog.answers import WorkerHit
+from hmakv.kvlog.records import Health
+from hmakv.producer.events import MEDIUM_GPU, ExternalBlockHash
+
+ROSTER_SETS = 1024  # worker sets whose names a score call may reuse
+
+Media = tuple[str, ...]
+# What a score call answers per worker: the hit, each group's own hit, each tier's, the blind one.
+AnswerKey = tuple[str, int | str]
+_HIT: AnswerKey = ("hit", 0)
+_BLIND: AnswerKey = ("blind", 0)
+_LOOKAHEAD: AnswerKey = ("lookahead", 0)  # the hashing a worker was scored with, not a hit
+_GPU_ONLY: Media = (MEDIUM_GPU,)
+
+
+class Held(Protocol):
+    """One medium's residency as the index keeps it: block hash -> packed holders."""
+
+    @property
+    def owners(self) -> Mapping[ExternalBlockHash, int]: ...
+
+
+class Member(Protocol):
+    """One worker as the roster lists it: its bit in a worker set, its name and health."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def bit(self) -> int: ...
+
+    @property
+    def health(self) -> Health: ...
+
+
+class CatalogClass:
+    """Workers sharing one group catalog: the hit rule runs once for all of them.
+
+    ``shifts`` are the rules' lane offsets in the packed ints (a group that never stored reads an
+    always-empty lane past the last one).
+    """
+
+    __slots__ = ("align", "everyone", "rules", "shifts")
+
+    def __init__(
+        self, rules: tuple[GroupRule, ...], everyone: int, shifts: tuple[int, ...]
+    ) -> None:
+        self.rules = rules
+        self.everyone = everyone
+        self.shifts = shifts
+        self.align = alignment(rules) if rules else 0
+
+
+class Roster:
+    """The workers in name order, and the names and health of each worker set asked for.
+
+    The sets a score call splits the fleet into recur from call to call, so each is listed once
+    and reused (up to ``ROSTER_SETS`` of them, then the list starts again).
+    """
+
+    __slots__ = ("_bits", "_order", "_sets")
+
+    def __init__(self, workers: Iterable[Member]) -> None:
+        self._order = sorted(workers, key=attrgetter("name"))
+        self._bits = [worker.bit for worker in self._order]
+        self._sets: dict[int, tuple[list[str], list[Health], list[bool]]] = {}
+
+    def named(self, workers: int) -> tuple[list[str], list[Health], list[bool]]:
+        """Names, health and whether degraded (not live), of the set's workers in name order."""
+        named = self._sets.get(workers)
+        if named is None:
+            if len(self._sets) >= ROSTER_SETS:
+                self._sets.clear()
+            chosen = list(compress(self._order, map(and_, self._bits, repeat(workers))))
+            health = [worker.health for worker in chosen]
+            names = [worker.name for worker in chosen]
+            named = self._sets[workers] = (names, health, [h != "live" for h in health])
+        return named
+
+
+class Fleet(NamedTuple):
+    """What one score call reads of the index."""
+
+    media: Mapping[str, Held]
+    classes: Sequence[CatalogClass]
+    lookahead_bits: Mapping[int, int]  # lookahead > 0 -> its workers' bits
+    roster: Roster
+
+
+class Scorer:
+    """Scores prompts at ``hash_block_size`` with a tier ladder, fastest medium first."""
+
+    def __init__(self, hash_block_size: int, tier_weights: Mapping[str, float]) -> None:
+        self.hash_block_size = hash_block_size
+        self.tiers: tuple[tuple[str, float], ...] = tuple(
+            sorted(tier_weights.items(), key=lambda tier: -tier[1])
+        )
+        self._gpu_weight = tier_weights.get(MEDIUM_GPU, 0.0)
+
+    def score(
+        self,
+        fleet: Fleet,
+        block_hashes: Sequence[ExternalBlockHash],
+        num_tokens: int,
+        scored: int,
+        *,
+        details: bool,
+        lookahead_hashes: Callable[[int], Sequence[ExternalBlockHash]] | None,
+    ) -> list[WorkerHit]:
+        """The ``scored`` workers' answers, best first (see ``KVIndex.score``); hashes in the
+        index's key form."""
+        answers = _Answers(scored)
+        prompts = _prompt_hashes(fleet, block_hashes, scored, lookahead_hashes, answers)
+        for hashes, members in prompts:
+            max_tokens = max(0, min(num_tokens - 1, len(hashes) * self.hash_block_size))
+            residency = _Residency(fleet.media, hashes, self.hash_block_size, max_tokens)
+            call = _Call(residency, max_tokens, answers, details, fleet.media)
+            for catalog_class in fleet.classes:
+                class_members = catalog_class.everyone & members
+                if class_members and catalog_class.rules:
+                    self._score_class(catalog_class, class_members, call)
+            if details:
+                answers.record(_BLIND, self._group_blind_hits(residency, members, max_tokens))
+        return self._hits(answers, fleet.roster, details)
+
+    def _score_class(self, catalog_class: CatalogClass, members: int, call: _Call) -> None:
+        align = catalog_class.align
+        gpu = _acceptances(catalog_class, call.residency, _GPU_ONLY)
+        gpu_hits = longest_hits(gpu, members, align, call.max_tokens)
+        call.answers.record(_HIT, gpu_hits)
+        if not call.details:
+            return
+        # Every group accepts the whole length for a worker whose hit it is: only the others scan.
+        top = call.max_tokens // align * align
+        topped = gpu_hits[0][1] if gpu_hits[0][0] == top else 0
+        for acceptance in gpu:
+            if len(gpu) == 1:  # a single group's own hit is the hit
+                hits = gpu_hits
+            else:
+                hits = longest_hits([acceptance], members ^ topped, align, call.max_tokens)
+                hits.append((top, topped))
+            call.answers.record(("group", acceptance.rule.group_idx), hits)
+        self._score_tiers(catalog_class, members, call)
+
+    def _score_tiers(self, catalog_class: CatalogClass, members: int, call: _Call) -> None:
+        """The hit on each tier of the ladder below the GPU's (which is the hit).
+
+        A tier that adds no blocks repeats the faster one's answer (see ``_ladder``); the first
+        is computed even empty (a chunked-local group accepts a new chunk with no blocks).
+        """
+        ladder: Media = ()
+        for medium, _ in self.tiers:
+            ladder = (*ladder, medium)
+            held = call.media.get(medium)
+            if ladder != _GPU_ONLY and (len(ladder) == 1 or (held is not None and held.owners)):
+                acceptances = _acceptances(catalog_class, call.residency, ladder)
+                hits = longest_hits(acceptances, members, catalog_class.align, call.max_tokens)
+                call.answers.record(("tier", medium), hits)
+
+    def _group_blind_hits(
+        self, residency: _Residency, everyone: int, max_tokens: int
+    ) -> list[tuple[int, int]]:
+        """What an index ignoring groups answers: a left-to-right scan of lane 0 (any group)."""
+        size = self.hash_block_size
+        anywhere = Acceptance(
+            GroupRule(-1, "prefix", size), residency.column(_GPU_ONLY, size), shift=0
+        )
+        return longest_hits([anywhere], everyone, size, max_tokens)
+
+    def _hits(self, answers: _Answers, roster: Roster, details: bool) -> list[WorkerHit]:
+        """Best first (weighted tokens, then hit), by name among equal answers.
+
+        Sorting the few parts, not the workers, and building each part's answers in one C-level
+        pass over its workers' names (listed once per worker set, see ``Roster``) keeps this
+        cheap for a large fleet.
+        """
+        parts = sorted(
+            ((self._payload(part, details), workers) for workers, part in answers.parts.items()),
+            key=_rank,
+        )
+        hits: list[WorkerHit] = []
+        for _, tied in groupby(parts, key=_rank):
+            start = len(hits)
+            tied_parts = list(tied)
+            for payload, workers in tied_parts:
+                hits.extend(_worker_hits(*roster.named(workers), payload))
+            if len(tied_parts) > 1:
+                hits[start:] = sorted(hits[start:], key=attrgetter("worker"))
+        return hits
+
+    def _payload(self, answers: dict[AnswerKey, int], details: bool) -> WorkerHit:
+        """What every worker of one part is told (its own fields left blank)."""
+        hit = answers.get(_HIT, 0)
+        groups: dict[int, int] = {}
+        tiers: dict[str, int] = {}
+        weighted = hit * self._gpu_weight
+        if details:
+            groups = {
+                group: tokens
+                for (kind, group), tokens in answers.items()
+                if kind == "group" and isinstance(group, int)
+            }
+            tiers, weighted = self._ladder(answers, hit)
+        return WorkerHit(
+            "",
+            hit,
+            hit // self.hash_block_size,
+            groups,
+            tiers,
+            weighted,
+            "live",
+            False,
+            _HIT in answers,  # the catalog is usable: the hit rule ran for the worker
+            answers.get(_BLIND, 0),
+            (),
+            answers.get(_LOOKAHEAD, 0),
+        )
+
+    def _ladder(self, answers: dict[AnswerKey, int], hit: int) -> tuple[dict[str, int], float]:
+        """Each tier's hit (one without its own answer repeats the faster one's; the GPU's, when
+        fastest, is the hit) and the tier-weighted tokens."""
+        tiers: dict[str, int] = {}
+        weighted = 0.0
+        faster = 0
+        for medium, weight in self.tiers:
+            first_is_gpu = not tiers and medium == MEDIUM_GPU
+            tokens = answers.get(("tier", medium), hit if first_is_gpu else faster)
+            tiers[medium] = tokens
+            weighted += weight * (tokens - faster)
+            faster = tokens
+        return tiers, weighted
+
+
+def _prompt_hashes(
+    fleet: Fleet,
+    block_hashes: Sequence[ExternalBlockHash],
+    scored: int,
+    lookahead_hashes: Callable[[int], Sequence[ExternalBlockHash]] | None,
+    answers: _Answers,
+) -> list[tuple[Sequence[ExternalBlockHash], int]]:
+    """The prompt's hashes for each set of scored workers that hashes alike, and each lookahead
+    worker's setting recorded in its answers. A fleet without lookahead workers, the usual one,
+    costs one look."""
+    lookaheads = [
+        (tokens, members)
+        for tokens, bits in fleet.lookahead_bits.items()
+        if (members := bits & scored)
+    ]
+    if not lookaheads:
+        return [(block_hashes, scored)]
+    answers.record(_LOOKAHEAD, lookaheads)
+    if lookahead_hashes is None:
+        return [(block_hashes, scored)]
+    classic = scored & ~reduce(or_, (members for _, members in lookaheads))
+    rehashed = [(lookahead_hashes(tokens), members) for tokens, members in lookaheads]
+    return [(block_hashes, classic), *rehashed] if classic else rehashed
+
+
+def _acceptances(
+    catalog_class: CatalogClass, residency: _Residency, media: Media
+) -> list[Acceptance]:
+    return [
+        Acceptance(rule, residency.column(media, rule.block_size), shift)
+        for rule, shift in zip(catalog_class.rules, catalog_class.shifts, strict=True)
+    ]
+
+
+def _rank(part: tuple[WorkerHit, int]) -> tuple[float, int]:
+    return -part[0].weighted_tokens, -part[0].hit_tokens
+
+
+def _worker_hits(
+    names: list[str], health: list[Health], degraded: list[bool], payload: WorkerHit
+) -> Iterator[WorkerHit]:
+    """The payload for each worker, with the worker's own fields and copies of its dicts."""
+    return map(
+        WorkerHit,
+        names,
+        repeat(payload.hit_tokens),
+        repeat(payload.hit_blocks),
+        map(dict.copy, repeat(payload.group_hit_tokens)),
+        map(dict.copy, repeat(payload.tier_hit_tokens)),
+        repeat(payload.weighted_tokens),
+        health,
+        degraded,
+        repeat(payload.catalog_ok),
+        repeat(payload.group_blind_hit_tokens),
+        repeat(()),  # stale_groups: the index knows no partitions, the API adds them
+        repeat(payload.hash_lookahead),
+    )
+
+
+class _Answers:
+    """Every worker's answers to one score call, kept per set of workers that share them.
+
+    Each scan answers with (tokens, workers) pairs; a part of the fleet splits only where answers
+    differ, so a fleet that mostly holds the same prefix builds a handful of payloads, not one
+    per worker, and never walks its bitsets worker by worker until the end. Each part owns its
+    dict: a split copies it, an answer for a whole part is written into it.
+    """
+
+    __slots__ = ("parts",)
+
+    def __init__(self, everyone: int) -> None:
+        self.parts: dict[int, dict[AnswerKey, int]] = {everyone: {}} if everyone else {}
+
+    def record(self, key: AnswerKey, hits: list[tuple[int, int]]) -> None:
+        parts: dict[int, dict[AnswerKey, int]] = {}
+        for workers, answers in self.parts.items():
+            rest = workers
+            for tokens, hit_workers in hits:
+                both = rest & hit_workers
+                if both == workers:  # one answer for the whole part: its own dict takes it
+                    answers[key] = tokens
+                    break
+                if both:
+                    parts[both] = {**answers, key: tokens}
+                    rest ^= both
+            if rest:
+                parts[rest] = answers
+        self.parts = parts
+
+
+class _Call(NamedTuple):
+    """What one score call's catalog classes share."""
+
+    residency: _Residency
+    max_tokens: int
+    answers: _Answers
+    details: bool
+    media: Mapping[str, Held]
+
+
+class _Residency:
+    """The prompt's packed columns per media and block size, looked up once and memoised.
+
+    One dict lookup per hash block and medium answers for every group; a tier ladder ORs its
+    media's values, a larger block size takes every k-th hash block's value. Every catalog
+    class, view and the group-blind scan share them.
+    """
+
+    __slots__ = ("_blocks", "_columns", "_hash_block_size", "_hashes", "_media", "_values")
+
+    def __init__(
+        self,
+        media: Mapping[str, Held],
+        hashes: Sequence[ExternalBlockHash],
+        hash_block_size: int,
+        max_tokens: int,
+    ) -> None:
+        self._media = media
+        self._hashes = hashes
+        self._hash_block_size = hash_block_size
+        self._blocks = max_tokens // hash_block_size
+        self._values: dict[Media, list[int]] = {}
+        self._columns: dict[tuple[Media, int], Column] = {}
+
+    def column(self, media: Media, block_size: int) -> Column:
+        """Packed residency of each of the prompt's blocks of ``block_size`` on any of ``media``."""
+        key = (media, block_size)
+        column = self._columns.get(key)
+        if column is None:
+            step = block_size // self._hash_block_size
+            # A group block spanning several hash blocks goes by the hash of its last sub-block.
+            values = self._held(media)[step - 1 : self._blocks // step * step : step]
+            column = self._columns[key] = Column(values)
+        return column
+
+    def _held(self, media: Media) -> list[int]:
+        """Each hash block's packed residency on any of ``media``."""
+        values = self._values.get(media)
+        if values is None:
+            if len(media) > 1:
+                values = list(map(or_, self._held(media[:-1]), self._held(media[-1:])))
+            elif (medium := self._media.get(media[0])) is not None:
+                values = list(map(medium.owners.get, self._hashes, repeat(0, self._blocks)))
+            else:
+                values = [0] * self._blocks
+            self._values[media] = values
+        return values

@@ -1,0 +1,146 @@
+"""What the index answers on ``POST /v1/score``, and which worker that answer names best.
+
+The wire contract of the score API: the index builds ``WorkerHit``s (one struct, from the scan
+to the JSON), the API encodes a ``ScoreResponse`` and the demo's probe, a router as any would
+be, decodes it. It lives here, beside the log's contract, because the index and the demo may
+both import ``kvlog`` and neither may import the other.
+
+The best-worker policy is here for the same reason: the API names ``best`` and the group-blind
+best with it, and the demo judges what routing by each answer would have picked with it, so the
+two can only differ where their ranks do. The structs' docstrings and ``Doc`` descriptions are
+the OpenAPI document's text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Annotated, Protocol, TypeVar
+
+import msgspec
+
+from hmakv.kvlog.records import Health
+
+Doc = msgspec.Meta
+Rank = tuple[float, ...]
+"""How much an answer promises, figure by figure, most significant first; a first figure of 0
+means no hit."""
+
+
+class WorkerHit(msgspec.Struct, frozen=True, gc=False):
+    """One worker's prefix hit for the prompt, as vLLM's hybrid lookup would find it."""
+
+    worker: str
+    hit_tokens: Annotated[int, Doc(description="the hit vLLM's lookup finds on the worker's GPU")]
+    hit_blocks: int
+    group_hit_tokens: Annotated[
+        dict[int, int], Doc(description="per group: the hit it alone accepts")
+    ] = msgspec.field(name="groups")
+    tier_hit_tokens: Annotated[
+        dict[str, int], Doc(description="per medium: the hit with it and faster")
+    ] = msgspec.field(name="tiers")
+    weighted_tokens: Annotated[
+        float, Doc(description="tokens weighted by the slowest tier each needs")
+    ] = msgspec.field(name="score")
+    health: Health
+    degraded: Annotated[bool, Doc(description="not live: its cache may differ from the index")]
+    catalog_ok: Annotated[
+        bool, Doc(description="false when its groups are unknown: 0 means no answer")
+    ]
+    group_blind_hit_tokens: Annotated[int, Doc(description="an index ignoring groups would say")]
+    stale_groups: Annotated[
+        tuple[int, ...],
+        Doc(
+            description="group mode: groups whose partition this follower no longer reads; "
+            "their blocks may be gone, so the worker is never the best"
+        ),
+    ]
+    hash_lookahead: Annotated[
+        int,
+        Doc(
+            description="tokens past each block that the worker's hashes cover (vLLM's EAGLE "
+            "lookahead hashing; 0: classic hashes). token_ids are hashed that way for this "
+            "worker; given block_hashes are used as they are for every worker"
+        ),
+    ] = 0
+
+
+class GroupBlindAnswer(msgspec.Struct, kw_only=True):
+    """What an index ignoring cache groups would answer (the usual peer design), for comparison."""
+
+    best: str | None
+    hit_tokens: int
+
+
+class ScoreResponse(msgspec.Struct, kw_only=True):
+    """Workers best first; ``best`` is the first live one with a usable catalog, no stale
+    groups and a hit."""
+
+    best: str | None
+    hash_block_size: int
+    num_tokens: int
+    prompt_blocks: int
+    workers: list[WorkerHit]
+    group_blind: GroupBlindAnswer
+
+
+# ----------------------------------------------------------------------------- best worker
+
+
+class Answer(Protocol):
+    """Anything that answers for one worker."""
+
+    @property
+    def worker(self) -> str: ...
+
+
+A = TypeVar("A", bound=Answer)
+
+
+def best_worker(answers: Iterable[A], rank: Callable[[A], Rank]) -> A | None:
+    """The answer whose worker the prompt should go to: the highest rank, and the first worker
+    name among equal ranks, so the choice never depends on the order answers come in. None when
+    no answer has a hit (its rank's first figure above 0): then no worker is better than any
+    other, and a router sends the prompt where it likes."""
+    ranked = [(rank(answer), answer) for answer in answers]
+    top = max((figures for figures, _ in ranked), default=None)
+    if top is None or top[0] <= 0:
+        return None
+    return min((answer for figures, answer in ranked if figures == top), key=_worker_name)
+
+
+def hma_best(hits: Iterable[WorkerHit]) -> WorkerHit | None:
+    """``ScoreResponse.best``: of the workers a router may be sent to, the one with the most
+    tier-weighted tokens, then the longest GPU hit."""
+    return best_worker(filter(routable, hits), _hma_rank)
+
+
+def group_blind_answer(hits: Iterable[WorkerHit]) -> GroupBlindAnswer:
+    """What an index ignoring groups would answer: the longest group-blind hit among the workers
+    the index follows wholly (degraded and stale workers are left out, as from ``hma_best``)."""
+    best = best_worker(filter(current, hits), _group_blind_rank)
+    if best is None:
+        return GroupBlindAnswer(best=None, hit_tokens=0)
+    return GroupBlindAnswer(best=best.worker, hit_tokens=best.group_blind_hit_tokens)
+
+
+def current(hit: WorkerHit) -> bool:
+    """Whether the index may hold what the worker holds: live, and every group followed."""
+    return not hit.degraded and not hit.stale_groups
+
+
+def routable(hit: WorkerHit) -> bool:
+    """A worker a router may be sent to on the strength of this answer: followed wholly, and
+    with known groups (otherwise its 0 is no answer)."""
+    return current(hit) and hit.catalog_ok
+
+
+def _hma_rank(hit: WorkerHit) -> Rank:
+    return hit.weighted_tokens, hit.hit_tokens
+
+
+def _group_blind_rank(hit: WorkerHit) -> Rank:
+    return (hit.group_blind_hit_tokens,)
+
+
+def _worker_name(answer: Answer) -> str:
+    return answer.worker

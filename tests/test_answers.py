@@ -1,0 +1,29 @@
+"""The best-worker rule of ``kvlog.answers``, which the score API and the demo's probe share."""
+
+from __future__ import annotations
+
+from hmakv.kvlog.answers import WorkerHit, best_worker, group_blind_answer, hma_best
+from hmakv.kvlog.records import Health
+
+
+def hit(worker: str, tokens: int, *, blind: int = 0, degraded: bool = False) -> WorkerHit:
+    health: Health = "degraded" if degraded else "live"
+    return WorkerHit(worker, tokens, 0, {}, {}, tokens, health, degraded, True, blind, ())
+
+
+def test_the_highest_rank_wins_and_the_first_name_breaks_ties_whatever_the_order() -> None:
+    hits = [hit("c", 32), hit("b", 64), hit("a", 64)]
+    assert best_worker(hits, lambda h: (h.hit_tokens,)) is hits[2]
+    assert best_worker(reversed(hits), lambda h: (h.hit_tokens,)) is hits[2]
+
+
+def test_no_hit_names_no_worker() -> None:
+    assert best_worker([hit("a", 0), hit("b", 0)], lambda h: (h.hit_tokens,)) is None
+    assert best_worker([], lambda h: (h.hit_tokens,)) is None
+
+
+def test_the_answers_leave_out_workers_the_index_does_not_follow_wholly() -> None:
+    hits = [hit("degraded", 128, blind=128, degraded=True), hit("live", 16, blind=64)]
+    assert hma_best(hits) is hits[1]
+    blind = group_blind_answer(hits)
+    assert (blind.best, blind.hit_tokens) == ("live", 64)
