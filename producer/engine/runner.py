@@ -232,7 +232,7 @@ class Engine:
         self.counters = EngineCounters()
         # Not a SimpleQueue: on CPython 3.11 its get(timeout=...) can block forever when a
         # signal interrupts it near the deadline, and the engine thread waits here between
-        # steps, where SIGTERM lands (tests/engine/test_runner.py has the signal storm).
+        # steps, where SIGTERM lands (tests/producer/engine/test_runner.py has the signal storm).
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._admission_waiters: dict[str, Future[AdmissionResult]] = {}
         self._api_requests = 0

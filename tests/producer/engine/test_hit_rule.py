@@ -24,7 +24,7 @@ from hmakv.producer.engine.hit_rule import (
 from hmakv.producer.events import GroupSpec, KVEventBatch
 from hmakv.producer.hashing import group_block_hashes
 
-TRACE = Path(__file__).parent.parent / "data" / "vllm-trace-swa-small-seed1.jsonl.gz"
+TRACE = Path(__file__).parents[2] / "data" / "vllm-trace-swa-small-seed1.jsonl.gz"
 
 FULL = GroupSpec(kind="full_attention", block_size=16)
 SWA_128 = GroupSpec(kind="sliding_window", block_size=16, sliding_window=128)

@@ -12,7 +12,7 @@ from hmakv.producer.engine import PROFILES, HybridCacheManager, UnknownProfile, 
 from hmakv.producer.events import GroupSpec
 from hmakv.producer.recorder import EventRecorder
 
-TRACE = Path(__file__).parent.parent / "data" / "vllm-trace-swa-small-seed1.jsonl.gz"
+TRACE = Path(__file__).parents[2] / "data" / "vllm-trace-swa-small-seed1.jsonl.gz"
 
 
 def test_unknown_name_error_lists_every_profile() -> None:

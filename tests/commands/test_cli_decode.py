@@ -24,7 +24,7 @@ from hmakv.cli import main
 from hmakv.producer.events import BlockRemoved, BlockStored, KVEventBatch, encode
 from hmakv.producer.protocol import live_frames
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 WIRE_VECTORS = [json.loads(line) for line in (DATA / "vllm-wire.jsonl").read_text().splitlines()]
 HMAKV = Path(sys.executable).with_name("hmakv")
 CLEAR_HEX = next(v["payload_hex"] for v in WIRE_VECTORS if v["case"] == "clear")

@@ -32,7 +32,7 @@ from hmakv.producer.events import (
     decode,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 WORKER = "vllm-0"
 
 

@@ -21,7 +21,7 @@ from hmakv.producer.hashing import (
     group_block_hashes,
 )
 
-VECTORS = Path(__file__).parent / "data" / "vllm-hash-sha256_cbor.jsonl"
+VECTORS = Path(__file__).parents[1] / "data" / "vllm-hash-sha256_cbor.jsonl"
 
 
 def _load_vectors() -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ from hmakv.producer.events import (
     encode,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 WIRE_VECTORS = [json.loads(line) for line in (DATA / "vllm-wire.jsonl").read_text().splitlines()]
 UINT64_MAX = 2**64 - 1
 TOKENS = list(range(16))

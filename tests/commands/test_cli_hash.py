@@ -13,7 +13,7 @@ import pytest
 
 from hmakv.cli import main
 
-VECTORS = Path(__file__).parent / "data" / "vllm-hash-sha256_cbor.jsonl"
+VECTORS = Path(__file__).parents[1] / "data" / "vllm-hash-sha256_cbor.jsonl"
 
 
 def _vector(name: str) -> dict[str, Any]:

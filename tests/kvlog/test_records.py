@@ -14,7 +14,7 @@ from hmakv.kvlog.records import DeadLetter, EventRecord, RecordDecodeError, Topi
 from hmakv.producer import events
 from hmakv.producer.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
 
-WIRE_VECTORS = Path(__file__).parent / "data" / "vllm-wire.jsonl"
+WIRE_VECTORS = Path(__file__).parents[1] / "data" / "vllm-wire.jsonl"
 
 
 def test_topics_derive_from_prefix() -> None:
