@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import multiprocessing as mp
 import platform
@@ -32,15 +31,16 @@ import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import zmq
+from harness import wait_for_subscriber, write_report
 
 from hmakv.kafka.process import free_port
 from hmakv.producer.engine import HybridCacheManager, ModelProfile, get_profile
 from hmakv.producer.engine.runner import context_tokens
 from hmakv.producer.engine.scheduler import Scheduler, StepResult, SyntheticSampler, TokenSampler
 from hmakv.producer.engine.workloads import ChatWorkload
-from hmakv.producer.events import ExternalBlockHash, KVEventBatch
 from hmakv.producer.publisher import ZmqEventPublisher
 from hmakv.producer.recorder import EventRecorder
 
@@ -54,27 +54,10 @@ WARMUP_STEPS = 20
 class SilentRecorder(EventRecorder):
     """Records nothing: the baseline of an engine with KV events disabled."""
 
-    def stored(
-        self,
-        group: int,
-        block_hashes: Sequence[ExternalBlockHash],
-        parent_block_hash: ExternalBlockHash | None,
-        token_ids: Sequence[int],
-        *,
-        block_size: int | None = None,
-        lora_name: str | None = None,
-        extra_keys: Sequence[tuple[object, ...] | None] | None = None,
-        medium: str | None = None,
-    ) -> None:
+    def stored(self, *args: Any, **kwargs: Any) -> None:
         return
 
-    def removed(
-        self,
-        group: int,
-        block_hashes: Sequence[ExternalBlockHash],
-        *,
-        medium: str | None = None,
-    ) -> None:
+    def removed(self, *args: Any, **kwargs: Any) -> None:
         return
 
     def cleared(self) -> None:
@@ -111,9 +94,7 @@ class Subscriber:
 
     def wait_ready(self, publisher: ZmqEventPublisher) -> None:
         """Publish empty batches until one arrives: a PUB drops what precedes a subscription."""
-        while not self._pipe.poll(0.01):
-            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
-        self._pipe.recv()
+        wait_for_subscriber(self._pipe, publisher)
 
     def stop(self) -> int:
         self._pipe.send("stop")
@@ -413,9 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "target_verdict": verdict,
         "estimated_model_overhead": estimate,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    write_report(args.json, document)
     return 0
 
 

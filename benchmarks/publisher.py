@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import multiprocessing as mp
 import platform
 import queue
@@ -40,6 +39,7 @@ from typing import Any, Protocol
 
 import msgspec
 import zmq
+from harness import wait_for_subscriber, write_report
 
 from hmakv.kafka.process import free_port
 from hmakv.producer.events import BlockRemoved, BlockStored, KVEventBatch
@@ -193,9 +193,7 @@ class SubscriberProcess:
 
     def wait_ready(self, publisher: Publisher) -> None:
         """Publish empty probes until the subscription is live (PUB drops until it is)."""
-        while not self._parent.poll(0.01):
-            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
-        self._parent.recv()
+        wait_for_subscriber(self._parent, publisher)
 
     def result(self) -> Any:
         """(count, first ns, last ns) from a reading subscriber, once it has all or gives up."""
@@ -353,7 +351,6 @@ def main(argv: list[str] | None = None) -> None:
     print(table(results, timer))
     met = verdicts(results)
     print("targets:", ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in met.items()))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "python": sys.version.split()[0],
         "machine": platform.platform(),
@@ -365,8 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         "targets_met": met,
         "results": results,
     }
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    write_report(args.json, report)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import platform
 import sys
@@ -38,6 +37,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from harness import write_report
 
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore, pack
@@ -308,9 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         "target_met": met,
         **result,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    write_report(args.json, report)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from harness import write_report
 
 from hmakv.kafka.process import LOOPBACK, free_port
 from hmakv.producer import events as wire
@@ -544,9 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "rounds": [asdict(r) for r in rounds],
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json} (load average {load[0]:.1f})")
+    write_report(args.json, report, note=f" (load average {load[0]:.1f})")
     return 0
 
 

@@ -11,7 +11,6 @@ repeats interleaved so that a noisy machine slows both sides alike.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from harness import write_report
 
 from hmakv.producer.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch, decode, encode
 
@@ -31,42 +31,6 @@ TOKENS_PER_STORE = 64
 SEED = 20260601
 
 # --- vLLM's structs, the baseline ----------------------------------------------------------------
-
-
-class VllmKVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    """vLLM after PR #42892: events are tagged maps."""
-
-
-class VllmBlockStored(VllmKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-
-
-class VllmBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-
-
-class VllmAllBlocksCleared(VllmKVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class VllmKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
-    data_parallel_rank: int | None = None
 
 
 class VllmArrayKVCacheEvent(
@@ -98,6 +62,27 @@ class VllmArrayBlockRemoved(VllmArrayKVCacheEvent, tag="BlockRemoved"):
 class VllmArrayKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[VllmArrayBlockStored | VllmArrayBlockRemoved]
+    data_parallel_rank: int | None = None
+
+
+# vLLM after PR #42892: the same events, tagged maps now, each with a ``locality`` at its end.
+
+
+class VllmBlockStored(VllmArrayBlockStored, array_like=False, tag="BlockStored"):
+    locality: str | None = None
+
+
+class VllmBlockRemoved(VllmArrayBlockRemoved, array_like=False, tag="BlockRemoved"):
+    locality: str | None = None
+
+
+class VllmAllBlocksCleared(VllmArrayKVCacheEvent, array_like=False, tag="AllBlocksCleared"):
+    pass
+
+
+class VllmKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
     data_parallel_rank: int | None = None
 
 
@@ -284,9 +269,8 @@ def main() -> None:
         "statistic": "median",
         "results": results,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.json}")
+    print()
+    write_report(args.json, report)
 
 
 if __name__ == "__main__":

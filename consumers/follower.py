@@ -360,19 +360,32 @@ class Follower:
             end - 1,
         )
         self.stats.records_lost += end - start
-        if tp.topic == self.config.topics.events:
-            await self._drop_lost_groups(consumer, tp)
+        await self._forget_keys_on(
+            consumer,
+            tp,
+            self._applier.forget_lost_groups,
+            "what these workers hold in these groups, whose records the deleted ones were",
+        )
 
-    async def _drop_lost_groups(self, consumer: Any, lost: TopicPartition) -> None:
-        """Forget every (worker, group) whose records go to a partition that lost some."""
-        place = await self._placement(consumer, lost.topic)
-        dropped = self._applier.forget_lost_groups(lost.partition, place)
+    async def _forget_keys_on(
+        self,
+        consumer: Any,
+        tp: TopicPartition,
+        forget: Callable[[int, Placement], dict[str, list[int]]],
+        what: str,
+    ) -> None:
+        """On the events topic: ``forget`` what the index holds for the keys on ``tp``'s
+        partition, and log ``what`` it forgot, by worker."""
+        if tp.topic != self.config.topics.events:
+            return
+        place = await self._placement(consumer, tp.topic)
+        forgotten = forget(tp.partition, place)
         log.error(
-            "%s[%d]: the index forgot what these workers hold in these groups, whose records "
-            "the deleted ones were: %s",
-            lost.topic,
-            lost.partition,
-            _worker_groups(dropped),
+            "%s[%d]: the index forgot %s: %s",
+            tp.topic,
+            tp.partition,
+            what,
+            _worker_groups(forgotten),
         )
 
     async def _placement(self, consumer: Any, topic: str) -> Placement:
@@ -400,19 +413,11 @@ class Follower:
             position,
             found,
         )
-        if tp.topic == self.config.topics.events:
-            await self._forget_workers_on(consumer, tp)
-
-    async def _forget_workers_on(self, consumer: Any, restarted: TopicPartition) -> None:
-        """Forget every worker with a key on a partition whose log restarted."""
-        place = await self._placement(consumer, restarted.topic)
-        forgotten = self._applier.forget_restarted_workers(restarted.partition, place)
-        log.error(
-            "%s[%d]: the index forgot these workers (blocks, seqs, epoch), which had these groups "
-            "there: %s",
-            restarted.topic,
-            restarted.partition,
-            _worker_groups(forgotten),
+        await self._forget_keys_on(
+            consumer,
+            tp,
+            self._applier.forget_restarted_workers,
+            "these workers (blocks, seqs, epoch), which had these groups there",
         )
 
     # ------------------------------------------------------------------------------ applying

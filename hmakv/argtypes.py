@@ -105,6 +105,25 @@ def add_command(
     )
 
 
+def add_seconds(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    what: str,
+    *,
+    default: str | None = None,
+    zero: bool = False,
+) -> None:
+    """A duration flag: a positive number of seconds, or with ``zero`` also 0 (its help says
+    what 0 means)."""
+    parser.add_argument(
+        flag,
+        type=non_negative_float if zero else positive_float,
+        default=default,
+        metavar="SECONDS",
+        help=what,
+    )
+
+
 def add_listen(parser: argparse.ArgumentParser, what: str, default: str | None = None) -> None:
     parser.add_argument(
         "--listen", type=host_port, default=default, metavar="HOST:PORT", help=f"serve {what} here"

@@ -19,9 +19,9 @@ from pathlib import Path
 from hmakv.argtypes import (
     add_kafka_options,
     add_listen,
+    add_seconds,
     kafka_security,
     non_negative_float,
-    positive_float,
     positive_int,
 )
 from hmakv.bridge.config import (
@@ -152,24 +152,22 @@ def _add_kafka_tuning(parser: argparse.ArgumentParser) -> None:
         help="largest event record; a group's larger one is split over several, a batch with an "
         "event larger on its own is lost and its worker degraded",
     )
-    add(
+    add_seconds(
+        parser,
         "--state-interval",
-        type=positive_float,
+        "write each worker's resume point at most this often",
         default="1",
-        metavar="SECONDS",
-        help="write each worker's resume point at most this often",
     )
 
 
 def _add_flow_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--max-replays", type=positive_int, default="4", help="replays and snapshots in flight")
-    add(
+    add_seconds(
+        parser,
         "--replay-timeout",
-        type=positive_float,
+        "give a replay up after this long without a reply message; its gap is then lost",
         default="5",
-        metavar="SECONDS",
-        help="give a replay up after this long without a reply message; its gap is then lost",
     )
     add(
         "--queue-size",
@@ -208,12 +206,8 @@ def _add_flow_options(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="dead-letter larger payloads",
     )
-    add(
-        "--shutdown-timeout",
-        type=positive_float,
-        default="10",
-        metavar="SECONDS",
-        help="on SIGTERM, time to deliver what is queued",
+    add_seconds(
+        parser, "--shutdown-timeout", "on SIGTERM, time to deliver what is queued", default="10"
     )
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import msgspec
 import zmq
 
-from hmakv.argtypes import positive_float, positive_int
+from hmakv.argtypes import add_seconds, positive_int
 from hmakv.producer.events import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DecodedBatch,
@@ -71,11 +71,10 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --zmq: stop after N messages (default: never)",
     )
-    add(
+    add_seconds(
+        parser,
         "--timeout",
-        type=positive_float,
-        metavar="SECONDS",
-        help="with --zmq: stop when no message arrives for this long (default: wait forever)",
+        "with --zmq: stop when no message arrives for this long (default: wait forever)",
     )
     add(
         "--max-bytes",

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hmakv.argtypes import positive_float
+from hmakv.argtypes import add_seconds, positive_float
 
 if TYPE_CHECKING:
     from hmakv.demo.config import EngineSpec
@@ -80,13 +80,7 @@ _kafka.__name__ = "tansu, apache or HOST:PORT"
 
 def register(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add(
-        "--duration",
-        type=positive_float,
-        default="60",
-        metavar="SECONDS",
-        help="seconds of probing once everything is up",
-    )
+    add_seconds(parser, "--duration", "seconds of probing once everything is up", default="60")
     add(
         "--kafka",
         type=_kafka,
@@ -145,13 +139,7 @@ def _add_output_options(parser: argparse.ArgumentParser) -> None:
     add("--json", type=Path, metavar="PATH", help="write the summary here")
     add("--report", type=Path, metavar="DIR", help="write report.html and PNG plots here")
     add("--plain", action="store_true", help="plain progress lines even on a terminal")
-    add(
-        "--interval",
-        type=positive_float,
-        default="5",
-        metavar="SECONDS",
-        help="seconds between plain progress lines",
-    )
+    add_seconds(parser, "--interval", "seconds between plain progress lines", default="5")
 
 
 def engines_of(args: argparse.Namespace) -> tuple[EngineSpec, ...]:

@@ -20,8 +20,8 @@ from types import FrameType
 import zmq
 
 from hmakv.argtypes import (
+    add_seconds,
     host_port,
-    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -138,12 +138,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="serve the HTTP API (requests, lookup, status) here, e.g. 127.0.0.1:8300",
     )
-    add(
+    add_seconds(
+        parser,
         "--status-interval",
-        type=non_negative_float,
+        "seconds between status lines on stderr, 0 for none",
         default="5",
-        metavar="SECONDS",
-        help="seconds between status lines on stderr, 0 for none",
+        zero=True,
     )
 
 

@@ -18,8 +18,8 @@ from aiokafka.errors import KafkaConnectionError
 from hmakv.argtypes import (
     add_kafka_options,
     add_listen,
+    add_seconds,
     kafka_security,
-    non_negative_float,
     non_negative_int,
     positive_int,
 )
@@ -117,12 +117,12 @@ def _add_snapshot_options(parser: argparse.ArgumentParser) -> None:
         default="kafka",
         help="kafka (the compacted PREFIX.snapshots topic), file:PATH, or none",
     )
-    parser.add_argument(
+    add_seconds(
+        parser,
         "--snapshot-interval",
-        type=non_negative_float,
+        "seconds between snapshots; 0: only at exit",
         default="60",
-        metavar="SECONDS",
-        help="seconds between snapshots; 0: only at exit",
+        zero=True,
     )
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from hmakv.argtypes import add_command, positive_int
 from hmakv.kafka.process import LOOPBACK, free_port
-from hmakv.vllm.profiles import PROFILES
+from hmakv.vllm.profiles import PROFILES, VllmProfile
 from hmakv.vllm.server import (
     DEFAULT_TOPIC,
     ServerPorts,
@@ -101,20 +102,17 @@ def list_profiles(args: argparse.Namespace) -> int:
 
 
 def build(args: argparse.Namespace) -> int:
-    try:
-        print(ensure_model(PROFILES[args.profile]))
-    except VllmUnavailable as error:
-        print(f"hmakv vllm: {error}", file=sys.stderr)
+    model = _built_model(PROFILES[args.profile])
+    if model is None:
         return EXIT_RUNTIME_FAILURE
+    print(model)
     return EXIT_OK
 
 
 def run_server(args: argparse.Namespace) -> int:
     profile = PROFILES[args.profile]
-    try:
-        model = ensure_model(profile)
-    except VllmUnavailable as error:
-        print(f"hmakv vllm: {error}", file=sys.stderr)
+    model = _built_model(profile)
+    if model is None:
         return EXIT_RUNTIME_FAILURE
     ports = ServerPorts(
         api=args.port or free_port(),
@@ -135,3 +133,13 @@ def run_server(args: argparse.Namespace) -> int:
     )
     os.execve(argv[0], argv, env)
     return EXIT_RUNTIME_FAILURE  # not reached: exec replaces this process
+
+
+def _built_model(profile: VllmProfile) -> Path | None:
+    """The profile's model folder, built first if need be; None, the reason on stderr, where
+    vLLM's venv cannot build it."""
+    try:
+        return ensure_model(profile)
+    except VllmUnavailable as error:
+        print(f"hmakv vllm: {error}", file=sys.stderr)
+        return None

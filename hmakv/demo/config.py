@@ -104,14 +104,29 @@ def chosen_engines(choices: Sequence[EngineChoice], seed: int) -> tuple[EngineSp
     if len(choices) > MAX_ENGINES:
         raise ValueError(f"the demo runs at most {MAX_ENGINES} engines, got {len(choices)}")
     return tuple(
-        EngineSpec(
-            name=f"engine-{chr(ord('a') + index)}",
-            profile=profile,
-            workload=workload,
-            seed=seed + index,
-            num_blocks=POOL_SIZES[profile] if blocks is None else blocks,
+        _nth_engine(
+            index, seed, profile, workload, POOL_SIZES[profile] if blocks is None else blocks
         )
         for index, (profile, workload, blocks) in enumerate(choices)
+    )
+
+
+def _nth_engine(
+    index: int,
+    seed: int,
+    profile: str,
+    workload: str,
+    num_blocks: int | None,
+    hmakv_publisher: bool = False,
+) -> EngineSpec:
+    """A line-up's engine ``index``: named engine-a, engine-b, ..., seeded ``seed + index``."""
+    return EngineSpec(
+        name=f"engine-{chr(ord('a') + index)}",
+        profile=profile,
+        workload=workload,
+        seed=seed + index,
+        num_blocks=num_blocks,
+        hmakv_publisher=hmakv_publisher,
     )
 
 
@@ -131,14 +146,7 @@ def vllm_lineup(seed: int) -> tuple[EngineSpec, ...]:
     from hmakv.vllm.profiles import PROFILES
 
     return tuple(
-        EngineSpec(
-            name=f"engine-{chr(ord('a') + index)}",
-            profile=profile,
-            workload=VLLM,
-            seed=seed + index,
-            num_blocks=PROFILES[profile].num_gpu_blocks,
-            hmakv_publisher=hmakv_publisher,
-        )
+        _nth_engine(index, seed, profile, VLLM, PROFILES[profile].num_gpu_blocks, hmakv_publisher)
         for index, (profile, hmakv_publisher) in enumerate(VLLM_LINEUP)
     )
 

@@ -51,30 +51,11 @@ def _gemma3(profile: VllmProfile) -> Any:
     from transformers import Gemma3TextConfig
 
     return Gemma3TextConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
+        **_shared_fields(profile),
         intermediate_size=128,
-        num_hidden_layers=len(profile.layer_types),
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
         layer_types=list(profile.layer_types),
         sliding_window=profile.sliding_window,
-        max_position_embeddings=profile.max_model_len,
-        bos_token_id=BYTE_TOKENS,
-        eos_token_id=BYTE_TOKENS + 1,
-        pad_token_id=BYTE_TOKENS + 2,
-        torch_dtype="float32",
-        architectures=["Gemma3ForCausalLM"],
     )
-
-
-def _special_ids() -> dict[str, int]:
-    return {
-        "bos_token_id": BYTE_TOKENS,
-        "eos_token_id": BYTE_TOKENS + 1,
-        "pad_token_id": BYTE_TOKENS + 2,
-    }
 
 
 def _gpt_oss(profile: VllmProfile) -> Any:
@@ -82,21 +63,12 @@ def _gpt_oss(profile: VllmProfile) -> Any:
     from transformers import GptOssConfig
 
     return GptOssConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
+        **_shared_fields(profile),
         intermediate_size=64,
-        num_hidden_layers=len(profile.layer_types),
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
         num_local_experts=4,
         num_experts_per_tok=2,
         layer_types=list(profile.layer_types),
         sliding_window=profile.sliding_window,
-        max_position_embeddings=profile.max_model_len,
-        torch_dtype="float32",
-        architectures=["GptOssForCausalLM"],
-        **_special_ids(),
     )
 
 
@@ -111,13 +83,8 @@ def _qwen3_next(profile: VllmProfile) -> Any:
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
+        **_shared_fields(profile, heads=8, kv_heads=8, head_dim=128),
         intermediate_size=128,
-        num_hidden_layers=len(profile.layer_types),
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=128,
         linear_conv_kernel_dim=4,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
@@ -128,10 +95,6 @@ def _qwen3_next(profile: VllmProfile) -> Any:
         num_experts=4,
         num_experts_per_tok=2,
         layer_types=list(profile.layer_types),
-        max_position_embeddings=profile.max_model_len,
-        torch_dtype="float32",
-        architectures=["Qwen3NextForCausalLM"],
-        **_special_ids(),
     )
 
 
@@ -140,25 +103,37 @@ def _llama4(profile: VllmProfile) -> Any:
     from transformers import Llama4TextConfig
 
     return Llama4TextConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
+        **_shared_fields(profile),
         intermediate_size=64,
         intermediate_size_mlp=128,
-        num_hidden_layers=len(profile.layer_types),
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
         num_local_experts=2,
         num_experts_per_tok=1,
         interleave_moe_layer_step=2,
         # 1: a RoPE layer, chunked; 0: a NoPE layer, full attention (vLLM reads this list).
         no_rope_layers=[int(kind == CHUNKED) for kind in profile.layer_types],
         attention_chunk_size=profile.chunk_size,
-        max_position_embeddings=profile.max_model_len,
-        torch_dtype="float32",
-        architectures=["Llama4ForCausalLM"],
-        **_special_ids(),
     )
+
+
+def _shared_fields(
+    profile: VllmProfile, *, heads: int = 2, kv_heads: int = 1, head_dim: int = 32
+) -> dict[str, Any]:
+    """What every tiny config sets alike: the byte vocabulary and its special ids, the width, the
+    profile's depth and length, float32, the architecture, and the attention's heads."""
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": BYTE_TOKENS,
+        "eos_token_id": BYTE_TOKENS + 1,
+        "pad_token_id": BYTE_TOKENS + 2,
+        "hidden_size": 64,
+        "num_hidden_layers": len(profile.layer_types),
+        "max_position_embeddings": profile.max_model_len,
+        "torch_dtype": "float32",
+        "architectures": [profile.architecture],
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+    }
 
 
 _CONFIGS: dict[str, Callable[[VllmProfile], Any]] = {

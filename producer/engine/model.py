@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from hmakv.producer.engine.hit_rule import check_group
 from hmakv.producer.engine.paged_attention import (
     AttentionIndex,
+    BlockTable,
     GroupIndex,
     StateIndex,
     group_index,
@@ -396,12 +397,9 @@ class HybridModel:
                 zip(self.profile.groups, seq.block_tables, strict=True)
             ):
                 index = group_index(
-                    spec,
-                    table,
+                    BlockTable(spec, table, self.cache.num_blocks, self.device),
                     seq.start_pos,
                     len(seq.token_ids),
-                    self.cache.num_blocks,
-                    self.device,
                 )
                 segments[g].append((rows, index))
         return _StepPlan(

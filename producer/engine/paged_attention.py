@@ -94,66 +94,55 @@ def visible_mask(spec: GroupSpec, query_pos: torch.Tensor, key_pos: torch.Tensor
     return visible
 
 
-def block_for(
-    table: Sequence[int], position: int, spec: GroupSpec, num_blocks: int, what: str
-) -> int:
-    """The physical block holding ``position``; an error when the table has no real block there."""
-    index = position // spec.block_size
-    block = table[index] if index < len(table) else NULL_BLOCK
-    if not NULL_BLOCK < block < num_blocks:
-        raise BlockTableError(
-            f"{spec.kind} group: no block to {what} position {position} "
-            f"(table entry {index} is {block if index < len(table) else 'missing'})"
+@dataclass(frozen=True)
+class BlockTable:
+    """One sequence's block table in one group, the pool size its ids must be below, and the
+    device its index tensors go to."""
+
+    spec: GroupSpec
+    blocks: Sequence[int]
+    num_blocks: int
+    device: torch.device
+
+    def block_at(self, position: int, what: str) -> int:
+        """The physical block holding ``position``; an error when there is no real block there."""
+        index = position // self.spec.block_size
+        block = self.blocks[index] if index < len(self.blocks) else NULL_BLOCK
+        if not NULL_BLOCK < block < self.num_blocks:
+            raise BlockTableError(
+                f"{self.spec.kind} group: no block to {what} position {position} "
+                f"(table entry {index} is {block if index < len(self.blocks) else 'missing'})"
+            )
+        return block
+
+    def slot_index(self, positions: range, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block and the slot in it of each position, as tensors."""
+        blocks = [self.block_at(p, what) for p in positions]
+        slots = [p % self.spec.block_size for p in positions]
+        return (
+            torch.tensor(blocks, dtype=torch.long, device=self.device),
+            torch.tensor(slots, dtype=torch.long, device=self.device),
         )
-    return block
 
 
-def _slot_index(
-    table: Sequence[int],
-    positions: range,
-    spec: GroupSpec,
-    num_blocks: int,
-    what: str,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    blocks = [block_for(table, p, spec, num_blocks, what) for p in positions]
-    slots = [p % spec.block_size for p in positions]
-    return (
-        torch.tensor(blocks, dtype=torch.long, device=device),
-        torch.tensor(slots, dtype=torch.long, device=device),
-    )
-
-
-def attention_index(
-    spec: GroupSpec,
-    table: Sequence[int],
-    start_pos: int,
-    num_new: int,
-    num_blocks: int,
-    device: torch.device,
-) -> AttentionIndex:
+def attention_index(table: BlockTable, start_pos: int, num_new: int) -> AttentionIndex:
     """Addressing for ``num_new`` tokens from ``start_pos``: write them, then read their keys."""
     end = start_pos + num_new
-    read = range(first_visible_position(spec, start_pos), end)
-    write_blocks, write_slots = _slot_index(
-        table, range(start_pos, end), spec, num_blocks, "write", device
-    )
-    read_blocks, read_slots = _slot_index(table, read, spec, num_blocks, "read", device)
-    query_pos = torch.arange(start_pos, end, device=device)
-    key_pos = torch.arange(read.start, read.stop, device=device)
+    read = range(first_visible_position(table.spec, start_pos), end)
+    write_blocks, write_slots = table.slot_index(range(start_pos, end), "write")
+    read_blocks, read_slots = table.slot_index(read, "read")
+    query_pos = torch.arange(start_pos, end, device=table.device)
+    key_pos = torch.arange(read.start, read.stop, device=table.device)
     return AttentionIndex(
-        write_blocks, write_slots, read_blocks, read_slots, visible_mask(spec, query_pos, key_pos)
+        write_blocks,
+        write_slots,
+        read_blocks,
+        read_slots,
+        visible_mask(table.spec, query_pos, key_pos),
     )
 
 
-def state_index(
-    spec: GroupSpec,
-    table: Sequence[int],
-    start_pos: int,
-    num_new: int,
-    num_blocks: int,
-    device: torch.device,
-) -> StateIndex:
+def state_index(table: BlockTable, start_pos: int, num_new: int) -> StateIndex:
     """Addressing for a mamba group: the state to resume and where each block's state goes.
 
     The state after the last new token must be stored (the next step resumes from it); states at
@@ -161,35 +150,26 @@ def state_index(
     caches a mamba state only where a future hit may need it.
     """
     end = start_pos + num_new
-    source = (
-        block_for(table, start_pos - 1, spec, num_blocks, "resume the state at")
-        if start_pos
-        else None
-    )
+    source = table.block_at(start_pos - 1, "resume the state at") if start_pos else None
     offsets: list[int] = []
     blocks: list[int] = []
-    size = spec.block_size
+    size = table.spec.block_size
     for position in range(start_pos // size * size + size - 1, end - 1, size):
         index = position // size
-        if index < len(table) and table[index] != NULL_BLOCK:
+        if index < len(table.blocks) and table.blocks[index] != NULL_BLOCK:
             offsets.append(position - start_pos)
-            blocks.append(block_for(table, position, spec, num_blocks, "store the state at"))
+            blocks.append(table.block_at(position, "store the state at"))
     offsets.append(num_new - 1)
-    blocks.append(block_for(table, end - 1, spec, num_blocks, "store the state at"))
-    return StateIndex(source, tuple(offsets), torch.tensor(blocks, dtype=torch.long, device=device))
+    blocks.append(table.block_at(end - 1, "store the state at"))
+    return StateIndex(
+        source, tuple(offsets), torch.tensor(blocks, dtype=torch.long, device=table.device)
+    )
 
 
-def group_index(
-    spec: GroupSpec,
-    table: Sequence[int],
-    start_pos: int,
-    num_new: int,
-    num_blocks: int,
-    device: torch.device,
-) -> GroupIndex:
+def group_index(table: BlockTable, start_pos: int, num_new: int) -> GroupIndex:
     """The addressing a group's layers need for one sequence in one step."""
-    build = state_index if spec.kind == MAMBA_KIND else attention_index
-    return build(spec, table, start_pos, num_new, num_blocks, device)
+    build = state_index if table.spec.kind == MAMBA_KIND else attention_index
+    return build(table, start_pos, num_new)
 
 
 def write_kv(

@@ -81,11 +81,13 @@ class _TokenSource:
         return self.rng.randint(*bounds)
 
 
-def _check_context(context_tokens: int) -> None:
+def _workload_source(seed: int, vocab_size: int, context_tokens: int) -> _TokenSource:
+    """A workload's token source, seeded with ``seed``, once its context size is checked."""
     if context_tokens < MIN_CONTEXT_TOKENS:
         raise ValueError(
             f"context_tokens must be at least {MIN_CONTEXT_TOKENS}, got {context_tokens}"
         )
+    return _TokenSource(random.Random(seed), vocab_size)
 
 
 @dataclass
@@ -115,8 +117,7 @@ class ChatWorkload:
         num_system_prompts: int = 4,
         max_turns: int = 6,
     ) -> None:
-        _check_context(context_tokens)
-        self._source = _TokenSource(random.Random(seed), vocab_size)
+        self._source = _workload_source(seed, vocab_size, context_tokens)
         self._context_tokens = context_tokens
         self._max_turns = max_turns
         system_bounds = (context_tokens // 8, context_tokens // 4)
@@ -174,8 +175,7 @@ class DocumentsWorkload:
     def __init__(
         self, *, seed: int, vocab_size: int, context_tokens: int, num_documents: int = 3
     ) -> None:
-        _check_context(context_tokens)
-        self._source = _TokenSource(random.Random(seed), vocab_size)
+        self._source = _workload_source(seed, vocab_size, context_tokens)
         document_bounds = (context_tokens // 3, context_tokens // 2)
         self.documents = tuple(
             self._source.tokens(self._source.between(document_bounds)) for _ in range(num_documents)
@@ -215,8 +215,7 @@ class RandomPrefixWorkload:
     def __init__(
         self, *, seed: int, vocab_size: int, context_tokens: int, num_prefixes: int = 32
     ) -> None:
-        _check_context(context_tokens)
-        self._source = _TokenSource(random.Random(seed), vocab_size)
+        self._source = _workload_source(seed, vocab_size, context_tokens)
         self.prefixes = tuple(self._source.tokens(context_tokens // 2) for _ in range(num_prefixes))
         self._tail_bounds = (1, context_tokens // 4)
         self._output_bounds = (1, 16)
