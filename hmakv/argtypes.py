@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from hmakv.kvlog.kafka_client import KafkaSecurity
+from hmakv.kvlog.kafka_client import SECURITY_SETTINGS, KafkaSecurity
 from hmakv.kvlog.records import DEFAULT_TOPIC_PREFIX
 
 
@@ -181,10 +181,7 @@ def add_kafka_options(
 
 def kafka_security(args: argparse.Namespace) -> KafkaSecurity:
     """The security options as the Kafka clients' settings; ValueError for one that cannot
-    connect (an unknown protocol, SASL without a password, ...). ``from_env`` reads the parsed
-    values here, under their variables' names, for its rules (empty is unset, any case)."""
-    settings = {
-        _security_variable(option): getattr(args, "kafka_" + option.replace("-", "_"))
-        for option, _, _ in _KAFKA_SECURITY
-    }
-    return KafkaSecurity.from_env(settings)
+    connect (an unknown protocol, SASL without a password, ...)."""
+    return KafkaSecurity.from_settings(
+        **{name: getattr(args, "kafka_" + name) for name in SECURITY_SETTINGS}
+    )

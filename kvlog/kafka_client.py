@@ -40,6 +40,16 @@ log = logging.getLogger(__name__)
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS_WITH_PASSWORD = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 _ENV_PREFIX = "HMAKV_KAFKA_"
+# The security settings, each an HMAKV_KAFKA_<NAME> variable and a --kafka-<name> flag.
+SECURITY_SETTINGS = (
+    "security_protocol",
+    "sasl_mechanism",
+    "sasl_username",
+    "sasl_password",
+    "ssl_cafile",
+    "ssl_certfile",
+    "ssl_keyfile",
+)
 _METADATA_WAIT_S = 5.0  # for a just-created topic's partitions to have leaders
 # Broker errors that start() can raise before it asks for a producer id: never a reason to drop
 # idempotence, since a plain producer would fail the same way.
@@ -86,21 +96,35 @@ class KafkaSecurity:
         return self.uses_sasl and self.sasl_mechanism in _SASL_MECHANISMS_WITH_PASSWORD
 
     @classmethod
+    def from_settings(
+        cls,
+        *,
+        security_protocol: str | None,
+        sasl_mechanism: str | None,
+        sasl_username: str | None,
+        sasl_password: str | None,
+        ssl_cafile: str | None,
+        ssl_certfile: str | None,
+        ssl_keyfile: str | None,
+    ) -> KafkaSecurity:
+        """The settings as an operator writes them: empty means unset, protocol and mechanism
+        in any case."""
+        return cls(
+            security_protocol=(security_protocol or "PLAINTEXT").upper(),
+            sasl_mechanism=(sasl_mechanism or "PLAIN").upper(),
+            sasl_plain_username=sasl_username or None,
+            sasl_plain_password=sasl_password or None,
+            ssl_cafile=ssl_cafile or None,
+            ssl_certfile=ssl_certfile or None,
+            ssl_keyfile=ssl_keyfile or None,
+        )
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KafkaSecurity:
         """Read ``HMAKV_KAFKA_SECURITY_PROTOCOL``, ``..._SASL_MECHANISM``, ``..._SASL_USERNAME``,
         ``..._SASL_PASSWORD``, ``..._SSL_CAFILE``, ``..._SSL_CERTFILE``, ``..._SSL_KEYFILE``."""
-
-        def setting(name: str) -> str | None:
-            return environ.get(_ENV_PREFIX + name) or None
-
-        return cls(
-            security_protocol=(setting("SECURITY_PROTOCOL") or "PLAINTEXT").upper(),
-            sasl_mechanism=(setting("SASL_MECHANISM") or "PLAIN").upper(),
-            sasl_plain_username=setting("SASL_USERNAME"),
-            sasl_plain_password=setting("SASL_PASSWORD"),
-            ssl_cafile=setting("SSL_CAFILE"),
-            ssl_certfile=setting("SSL_CERTFILE"),
-            ssl_keyfile=setting("SSL_KEYFILE"),
+        return cls.from_settings(
+            **{name: environ.get(_ENV_PREFIX + name.upper()) for name in SECURITY_SETTINGS}
         )
 
     def client_kwargs(self) -> dict[str, Any]:
