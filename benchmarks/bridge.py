@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -54,27 +53,30 @@ from pathlib import Path
 
 import zmq
 from aiokafka import AIOKafkaProducer
+from harness import GroupOf, group_store, write_report
 
-# Run as a script, this file's folder comes first on sys.path, where its own name would shadow
-# the bridge package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-from hmakv.bridge.fanout import fan_out  # noqa: E402
-from hmakv.bridge.readable import take_ready  # noqa: E402
-from hmakv.kafka import ApacheKafkaBroker, unique_topic  # noqa: E402
-from hmakv.kafka.process import free_port  # noqa: E402
-from hmakv.kvlog import records  # noqa: E402
-from hmakv.kvlog.kafka_client import (  # noqa: E402
+from hmakv.bridge.fanout import fan_out
+from hmakv.bridge.readable import take_ready
+from hmakv.kafka import ApacheKafkaBroker, unique_topic
+from hmakv.kafka.process import free_port
+from hmakv.kvlog import records
+from hmakv.kvlog.kafka_client import (
     TopicSpec,
     create_consumer,
     ensure_topics,
     partition_for,
     start_producer,
 )
-from hmakv.kvlog.records import Topics  # noqa: E402
-from hmakv.producer.events import BlockRemoved, BlockStored, KVEventBatch, decode  # noqa: E402
-from hmakv.producer.protocol import decode_seq, encode_seq  # noqa: E402
-from hmakv.producer.publisher import ZmqEventPublisher  # noqa: E402
+from hmakv.kvlog.records import Topics
+from hmakv.producer.events import (
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVEventBatch,
+    decode,
+)
+from hmakv.producer.protocol import decode_seq, encode_seq
+from hmakv.producer.publisher import ZmqEventPublisher
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "bridge.json"
 TARGET_RATE = 10_000  # batches/s, all engines together, for the latency target
@@ -89,7 +91,7 @@ GAPS_DETECTED = "hmakv_bridge_gaps_detected_total"
 # millisecond cost half a core here). It adds up to 5 ms to the measured latency.
 ENGINE_FLUSH_MS = 5
 APPEND_TIME = "LogAppendTime"  # record timestamps set by the broker: the end of added latency
-GROUPS = ((0, "full_attention", None), (1, "sliding_window", 128))
+GROUPS: tuple[GroupOf, ...] = ((0, "full_attention", None), (1, "sliding_window", 128))
 START_SEQ = encode_seq(0)  # an engine's seq 0: the clear it publishes when it starts
 RECEIVE_LIMIT = 1024  # messages the bare loops take from one socket per turn
 
@@ -98,22 +100,11 @@ def step_batch(step: int, engine: int) -> KVEventBatch:
     """A typical step: 6 stores of 4 blocks x 16 tokens (3 per group), 2 removals."""
     events: list[BlockStored | BlockRemoved] = []
     for i in range(6):
-        group, kind, window = GROUPS[i % 2]
         base = (engine << 40) + step * 100 + i * 4
-        events.append(
-            BlockStored(
-                [(base + j) * 0x9E3779B97F4A7C15 % 2**64 for j in range(4)],
-                None,
-                list(range(64)),
-                16,
-                None,
-                "GPU",
-                None,
-                group_idx=group,
-                kv_cache_spec_kind=kind,
-                kv_cache_spec_sliding_window=window,
-            )
-        )
+        hashes: list[ExternalBlockHash] = [
+            (base + j) * 0x9E3779B97F4A7C15 % 2**64 for j in range(4)
+        ]
+        events.append(group_store(hashes, GROUPS[i % 2], list(range(64))))
     for group, _, _ in GROUPS:
         events.append(BlockRemoved([(engine << 40) + step], "GPU", group_idx=group))
     return KVEventBatch(time.time(), list(events), 0)
@@ -803,9 +794,7 @@ def main(argv: list[str] | None = None) -> None:
         "rows": rows,
         "targets": met,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    write_report(args.json, report)
 
 
 def pinned_main(args: argparse.Namespace) -> None:
@@ -840,10 +829,8 @@ def pinned_main(args: argparse.Namespace) -> None:
     lost = sum(row["lost"] for name, row in rows.items() if name.startswith("bridge"))
     print(f"bridge loss: {lost:.0f}")
     path = args.json or DEFAULT_JSON.with_name("bridge-pinned.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": "bridge, pinned", "engines": args.engines, "rate": TARGET_RATE}
-    path.write_text(json.dumps(report | {"rows": rows}, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_report(path, report | {"rows": rows})
 
 
 if __name__ == "__main__":

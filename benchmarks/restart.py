@@ -38,21 +38,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import write_report
+from harness import GroupOf, group_store, write_report
 
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore, pack
 from hmakv.kafka import ApacheKafkaBroker, unique_topic
 from hmakv.kvlog.kafka_client import TopicSpec, ensure_topics, start_producer
 from hmakv.kvlog.records import EventRecord, Topics, encode, event_key
-from hmakv.producer.events import BlockRemoved, BlockStored, ExternalBlockHash, KVEvent
+from hmakv.producer.events import BlockRemoved, ExternalBlockHash, KVEvent
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "restart.json"
 DEFAULT_ENTRIES = 400_000
 FULL_ENTRIES = 10_000_000
 TARGET_SPEEDUP = 10.0
 BLOCKS_PER_RECORD = 64
-GROUPS = ((0, "full_attention", None), (1, "sliding_window", 128))
+GROUPS: tuple[GroupOf, ...] = ((0, "full_attention", None), (1, "sliding_window", 128))
 PARTITIONS = 6
 _MIX = 0x9E3779B97F4A7C15
 
@@ -90,21 +90,9 @@ def records(scenario: Scenario) -> Iterator[EventRecord]:
                 block_hash(worker, seq * BLOCKS_PER_RECORD + i) for i in range(BLOCKS_PER_RECORD)
             ]
             evicted_batch = seq - capacity_records
-            for group, kind, window in GROUPS:
-                events: list[KVEvent] = [
-                    BlockStored(
-                        new,
-                        None,
-                        [],
-                        16,
-                        None,
-                        "GPU",
-                        None,
-                        group_idx=group,
-                        kv_cache_spec_kind=kind,
-                        kv_cache_spec_sliding_window=window,
-                    )
-                ]
+            for group_of in GROUPS:
+                group = group_of[0]
+                events: list[KVEvent] = [group_store(new, group_of)]
                 if evicted_batch >= 0:
                     old: list[ExternalBlockHash] = [
                         block_hash(worker, evicted_batch * BLOCKS_PER_RECORD + i)

@@ -65,15 +65,21 @@ class VllmArrayKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True,
     data_parallel_rank: int | None = None
 
 
-# vLLM after PR #42892: the same events, tagged maps now, each with a ``locality`` at its end.
+# vLLM 0.33.0 (PR #42892 and later): the same events, tagged maps now, with ``locality`` (PR
+# #48281), ``ownership``, ``session_id`` and ``lookahead_token_ids`` at their end. A store has 16
+# keys with its tag, so msgspec writes a map16 header for it: the field count is on the wire.
 
 
 class VllmBlockStored(VllmArrayBlockStored, array_like=False, tag="BlockStored"):
     locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class VllmBlockRemoved(VllmArrayBlockRemoved, array_like=False, tag="BlockRemoved"):
     locality: str | None = None
+    ownership: str | None = None
 
 
 class VllmAllBlocksCleared(VllmArrayKVCacheEvent, array_like=False, tag="AllBlocksCleared"):
@@ -120,7 +126,8 @@ def array_encoded(batch: KVEventBatch) -> bytes:
     for event in batch.events:
         if isinstance(event, BlockStored):
             fields = msgspec.structs.asdict(event)
-            del fields["locality"]
+            for newer in ("locality", "ownership", "session_id", "lookahead_token_ids"):
+                del fields[newer]
             events.append(VllmArrayBlockStored(**fields))
         elif isinstance(event, BlockRemoved):
             events.append(VllmArrayBlockRemoved(event.block_hashes, event.medium, event.group_idx))

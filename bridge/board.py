@@ -19,7 +19,7 @@ from hmakv.producer.events import GroupSpec
 
 
 @dataclass
-class WorkerView:
+class BoardEntry:
     """What the workers topic says, or is about to say, of one worker.
 
     ``epoch`` is the epoch the topic announces, not the worker's: the worker's is its tracker's
@@ -43,13 +43,13 @@ class WorkerView:
 class WorkerBoard:
     def __init__(self, interval: float = 1.0) -> None:
         self._interval = interval
-        self.views: dict[str, WorkerView] = {}
+        self.views: dict[str, BoardEntry] = {}
         self._last: list[WorkerState] = []  # of workers no longer followed: written once, next
         # Per worker, the newest state handed out that Kafka has not settled yet: the one to
         # write again if refused, for a worker this board no longer follows.
         self._unsettled: dict[str, WorkerState] = {}
 
-    def add(self, worker: str, view: WorkerView) -> None:
+    def add(self, worker: str, view: BoardEntry) -> None:
         self.views[worker] = view
 
     def release(self, worker: str, now: float) -> None:
@@ -147,13 +147,13 @@ class WorkerBoard:
         elif newest:
             self._last.append(state)
 
-    def _handed_out(self, worker: str, view: WorkerView, now: float) -> WorkerState:
+    def _handed_out(self, worker: str, view: BoardEntry, now: float) -> WorkerState:
         state = self._state(worker, view, now)
         self._unsettled[worker] = state
         return state
 
     @staticmethod
-    def _state(worker: str, view: WorkerView, now: float) -> WorkerState:
+    def _state(worker: str, view: BoardEntry, now: float) -> WorkerState:
         view.changed = view.progressed = False
         view.written_at = now
         return WorkerState(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import zmq
 from prometheus_client import Counter as MetricCounter
 
-from hmakv.bridge.board import WorkerBoard, WorkerView
+from hmakv.bridge.board import BoardEntry, WorkerBoard
 from hmakv.bridge.config import WorkerAddress
 from hmakv.bridge.deadletter import DeadLetterOffice
 from hmakv.bridge.frames import Rejected, RejectReason, decode_payload, split_reply
@@ -105,7 +105,7 @@ class WorkerChannel:
         self._received_types: list[type] = []  # each received event's class, counted per flush
         board.add(
             self.worker,
-            WorkerView(
+            BoardEntry(
                 health=relay.health,
                 groups=relay.catalog.specs,
                 data_parallel_rank=address.data_parallel_rank,

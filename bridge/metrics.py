@@ -8,6 +8,7 @@ or kind enums below, the event type (``EVENT_TYPES``) and the health state.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -29,158 +30,130 @@ class BridgeMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         worker = ("worker",)
-        self.batches_received = Counter(
-            "hmakv_bridge_batches_received", "Live batches received, per worker", worker, registry=r
+        counter = functools.partial(Counter, registry=r)
+        gauge = functools.partial(Gauge, registry=r)
+        histogram = functools.partial(Histogram, registry=r)
+        self.batches_received = counter(
+            "hmakv_bridge_batches_received", "Live batches received, per worker", worker
         )
-        self.events_received = Counter(
+        self.events_received = counter(
             "hmakv_bridge_events_received",
             "Events in live batches received, by type (unknown: skipped, and dead-lettered); "
             "the known types sum to the events forwarded from live batches",
             ("worker", "type"),
-            registry=r,
         )
-        self.unknown_events = Counter(
+        self.unknown_events = counter(
             "hmakv_bridge_unknown_events",
             "Events of types this bridge does not know, skipped (their batch is dead-lettered too)",
             worker,
-            registry=r,
         )
-        self.records_produced = Counter(
+        self.records_produced = counter(
             "hmakv_bridge_records_produced",
             "Records acknowledged by Kafka, per topic kind (events, workers, deadletter)",
             ("topic",),
-            registry=r,
         )
-        self.gaps_detected = Counter(
-            "hmakv_bridge_gaps_detected", "Gaps in a worker's sequence", worker, registry=r
+        self.gaps_detected = counter(
+            "hmakv_bridge_gaps_detected", "Gaps in a worker's sequence", worker
         )
-        self.gaps_replayed = Counter(
-            "hmakv_bridge_gaps_replayed",
-            "Gaps filled, by replay or snapshot",
-            ("worker", "by"),
-            registry=r,
+        self.gaps_replayed = counter(
+            "hmakv_bridge_gaps_replayed", "Gaps filled, by replay or snapshot", ("worker", "by")
         )
-        self.gaps_unrecoverable = Counter(
+        self.gaps_unrecoverable = counter(
             "hmakv_bridge_gaps_unrecoverable",
             "Gaps lost for good (the worker is cleared and degraded)",
             worker,
-            registry=r,
         )
-        self.batches_lost = Counter(
-            "hmakv_bridge_batches_lost", "Seqs in unrecoverable gaps", worker, registry=r
+        self.batches_lost = counter(
+            "hmakv_bridge_batches_lost", "Seqs in unrecoverable gaps", worker
         )
-        self.replays = Counter(
+        self.replays = counter(
             "hmakv_bridge_replays",
             "Replay and snapshot requests, by kind and outcome (ended, failed, cancelled)",
             ("kind", "outcome"),
-            registry=r,
         )
-        self.replay_duration = Histogram(
+        self.replay_duration = histogram(
             "hmakv_bridge_replay_duration_seconds",
             "From request to end marker, per kind",
             ("kind",),
             buckets=_REPLAY_BUCKETS,
-            registry=r,
         )
-        self.epochs_started = Counter(
+        self.epochs_started = counter(
             "hmakv_bridge_epochs_started",
             "New epochs: engine restarts, or records Kafka refused",
             worker,
-            registry=r,
         )
-        self.duplicates = Counter(
+        self.duplicates = counter(
             "hmakv_bridge_duplicate_batches",
             "Batches already forwarded (replay overlap), dropped",
             worker,
-            registry=r,
         )
-        self.batches_not_kept = Counter(
+        self.batches_not_kept = counter(
             "hmakv_bridge_batches_not_kept",
             "Live batches the bridge could not hold during a replay (fetched again later)",
             ("worker", "reason"),
-            registry=r,
         )
-        self.frames_rejected = Counter(
+        self.frames_rejected = counter(
             "hmakv_bridge_frames_rejected",
             "Messages that could not be used, by reason (each is dead-lettered)",
             ("reason",),
-            registry=r,
         )
-        self.dead_letters_dropped = Counter(
-            "hmakv_bridge_dead_letters_dropped",
-            "Dead letters the full queue could not keep",
-            registry=r,
+        self.dead_letters_dropped = counter(
+            "hmakv_bridge_dead_letters_dropped", "Dead letters the full queue could not keep"
         )
-        self.delivery_failures = Counter(
+        self.delivery_failures = counter(
             "hmakv_bridge_delivery_failures",
             "Batches Kafka refused for good (non-retriable errors)",
             worker,
-            registry=r,
         )
-        self.workers_retired = Counter(
+        self.workers_retired = counter(
             "hmakv_bridge_workers_retired",
             "Workers retired: removed from the fleet's engines, or llm-d pods replaced at "
             "--max-workers (their state is written once more, retired, for consumers to drop)",
-            registry=r,
         )
-        self.producer_replacements = Counter(
+        self.producer_replacements = counter(
             "hmakv_bridge_kafka_producer_replacements",
             "Kafka producers replaced after a refusal (an idempotent one numbers batches per "
             "partition; a new one starts afresh)",
-            registry=r,
         )
-        self.send_retries = Counter(
+        self.send_retries = counter(
             "hmakv_bridge_kafka_send_retries",
             "Record batches sent again after a retriable Kafka error",
-            registry=r,
         )
-        self.queue_full = Counter(
+        self.queue_full = counter(
             "hmakv_bridge_queue_full_seconds",
             "Time the Kafka queue was full, intake paused (engines and their rings held the rest)",
-            registry=r,
         )
-        self.queue_depth = Gauge(
-            "hmakv_bridge_queue_depth", "Batches queued for Kafka, not yet sent", registry=r
+        self.queue_depth = gauge(
+            "hmakv_bridge_queue_depth", "Batches queued for Kafka, not yet sent"
         )
-        self.send_latency = Histogram(
+        self.send_latency = histogram(
             "hmakv_bridge_kafka_send_latency_seconds",
             "From handing a chunk of records to the producer to Kafka's acknowledgement",
             buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.end_to_end_age = Histogram(
+        self.end_to_end_age = histogram(
             "hmakv_bridge_end_to_end_age_seconds",
             "From the engine's batch timestamp to Kafka's acknowledgement",
             buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.worker_epoch = Gauge(
-            "hmakv_bridge_worker_epoch", "The worker's current epoch", worker, registry=r
+        self.worker_epoch = gauge("hmakv_bridge_worker_epoch", "The worker's current epoch", worker)
+        self.worker_last_seq = gauge(
+            "hmakv_bridge_worker_last_seq", "The worker's last seq acknowledged by Kafka", worker
         )
-        self.worker_last_seq = Gauge(
-            "hmakv_bridge_worker_last_seq",
-            "The worker's last seq acknowledged by Kafka",
-            worker,
-            registry=r,
-        )
-        self.worker_health = Gauge(
+        self.worker_health = gauge(
             "hmakv_bridge_worker_health",
             "1 for the worker's current health state, 0 for the others",
             ("worker", "health"),
-            registry=r,
         )
-        self.sources = Gauge("hmakv_bridge_sources", "ZMQ sources configured", registry=r)
-        self.sources_connected = Gauge(
-            "hmakv_bridge_sources_connected", "ZMQ sources connected (or bound)", registry=r
+        self.sources = gauge("hmakv_bridge_sources", "ZMQ sources configured")
+        self.sources_connected = gauge(
+            "hmakv_bridge_sources_connected", "ZMQ sources connected (or bound)"
         )
-        self.kafka_reachable = Gauge(
-            "hmakv_bridge_kafka_reachable", "1 while Kafka answers", registry=r
-        )
-        self.messages_per_wakeup = Histogram(
+        self.kafka_reachable = gauge("hmakv_bridge_kafka_reachable", "1 while Kafka answers")
+        self.messages_per_wakeup = histogram(
             "hmakv_bridge_messages_per_wakeup",
             "Messages taken from a socket per round of the intake (one round per tick at most)",
             buckets=_WAKEUP_BUCKETS,
-            registry=r,
         )
 
     def set_health(self, worker: str, health: Health) -> None:

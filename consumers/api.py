@@ -25,9 +25,15 @@ from prometheus_client.registry import CollectorRegistry
 from hmakv.consumers.follower import Follower
 from hmakv.consumers.index import WorkerInfo
 from hmakv.consumers.stats import ScoreStats
-from hmakv.kvlog.answers import ScoreResponse, WorkerHit, group_blind_answer, hma_best
-from hmakv.kvlog.records import Health
-from hmakv.producer.events import ExternalBlockHash, GroupSpec
+from hmakv.kvlog.answers import (
+    ScoreResponse,
+    WorkerHit,
+    WorkersResponse,
+    WorkerView,
+    group_blind_answer,
+    hma_best,
+)
+from hmakv.producer.events import ExternalBlockHash
 from hmakv.producer.hashing import (
     HASH_FUNCTIONS,
     BlockHasher,
@@ -102,30 +108,6 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     workers: Annotated[
         list[str] | None, Doc(description="score only these (unknown: left out)")
     ] = None
-
-
-class WorkerView(msgspec.Struct, kw_only=True):
-    """One worker as the index sees it, beside the bridge's latest state for it."""
-
-    worker: str
-    epoch: int
-    health: Health
-    groups: dict[int, GroupSpec]
-    last_seq: dict[int, int]
-    resident_blocks: dict[int, dict[str, int]]
-    bridge_epoch: int | None
-    bridge_last_seq: int | None
-    lag_seqs: Annotated[int | None, Doc(description="seqs forwarded by the bridge, not applied")]
-    stale_groups: Annotated[list[int], Doc(description="group mode: partition no longer read")]
-    hash_lookahead: Annotated[
-        int, Doc(description="tokens past each block its hashes cover (0: classic hashes)")
-    ] = 0
-
-
-class WorkersResponse(msgspec.Struct, kw_only=True):
-    mode: str
-    lag_records: int
-    workers: list[WorkerView]
 
 
 class Liveness(msgspec.Struct, kw_only=True):

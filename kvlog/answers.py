@@ -1,4 +1,5 @@
-"""What the index answers on ``POST /v1/score``, and which worker that answer names best.
+"""What the index answers on ``POST /v1/score`` and ``GET /v1/workers``, and which worker a score
+answer names best.
 
 The wire contract of the score API: the index builds ``WorkerHit``s (one struct, from the scan
 to the JSON), the API encodes a ``ScoreResponse`` and the demo's probe, a router as any would
@@ -19,6 +20,7 @@ from typing import Annotated, Protocol, TypeVar
 import msgspec
 
 from hmakv.kvlog.records import Health
+from hmakv.producer.events import GroupSpec
 
 Doc = msgspec.Meta
 Rank = tuple[float, ...]
@@ -84,6 +86,30 @@ class ScoreResponse(msgspec.Struct, kw_only=True):
 
 
 # ----------------------------------------------------------------------------- best worker
+
+
+class WorkerView(msgspec.Struct, kw_only=True):
+    """One worker as the index sees it, beside the bridge's latest state for it."""
+
+    worker: str
+    epoch: int
+    health: Health
+    groups: dict[int, GroupSpec]
+    last_seq: dict[int, int]
+    resident_blocks: dict[int, dict[str, int]]
+    bridge_epoch: int | None
+    bridge_last_seq: int | None
+    lag_seqs: Annotated[int | None, Doc(description="seqs forwarded by the bridge, not applied")]
+    stale_groups: Annotated[list[int], Doc(description="group mode: partition no longer read")]
+    hash_lookahead: Annotated[
+        int, Doc(description="tokens past each block its hashes cover (0: classic hashes)")
+    ] = 0
+
+
+class WorkersResponse(msgspec.Struct, kw_only=True):
+    mode: str
+    lag_records: int
+    workers: list[WorkerView]
 
 
 class Answer(Protocol):

@@ -1,9 +1,10 @@
 """HTTP to the engines' API and the index's API, as any router would speak it.
 
-The index's score answer is decoded with its contract, ``kvlog.answers.ScoreResponse``, the
-structs the index itself encodes. Of the other answers only the fields the demo reads are
-declared; anything else in an answer is ignored, so the demo keeps working while those APIs grow.
-Every call has a timeout: a stuck service must show up as an error in the demo, never as a hang.
+The index's answers are decoded with their contract, ``kvlog.answers`` (``ScoreResponse``,
+``WorkersResponse``), the structs the index itself encodes. Of the engines' answers only the
+fields the demo reads are declared; anything else in an answer is ignored, so the demo keeps
+working while those APIs grow. Every call has a timeout: a stuck service must show up as an error
+in the demo, never as a hang.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 import aiohttp
 import msgspec
 
-from hmakv.kvlog.answers import ScoreResponse
+from hmakv.kvlog.answers import ScoreResponse, WorkersResponse
 
 T = TypeVar("T")
 
@@ -54,29 +55,6 @@ class EngineStatus(msgspec.Struct, frozen=True):
     blocks_cached: list[int]
     hash_fn: str
     hash_seed: str
-
-
-class GroupSpecView(msgspec.Struct, frozen=True):
-    kind: str
-    block_size: int
-    sliding_window: int | None = None
-
-
-class WorkerView(msgspec.Struct, frozen=True):
-    """The index's state of one worker: applied seq per group, residency, catalog, health."""
-
-    worker: str
-    epoch: int
-    health: str
-    groups: dict[int, GroupSpecView]
-    last_seq: dict[int, int]
-    resident_blocks: dict[int, dict[str, int]]
-    lag_seqs: int | None = None
-
-
-class WorkersAnswer(msgspec.Struct, frozen=True):
-    lag_records: int
-    workers: list[WorkerView]
 
 
 class ServiceError(RuntimeError):
@@ -173,8 +151,8 @@ class IndexClient:
             f"{self.base_url}/v1/score", {"token_ids": list(token_ids)}, ScoreResponse
         )
 
-    async def workers(self) -> WorkersAnswer:
-        return await self.http.get(f"{self.base_url}/v1/workers", WorkersAnswer)
+    async def workers(self) -> WorkersResponse:
+        return await self.http.get(f"{self.base_url}/v1/workers", WorkersResponse)
 
 
 class Completion(msgspec.Struct, frozen=True):

@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hmakv.demo.client import EngineStatus, Http, IndexClient, WorkersAnswer
+from hmakv.demo.client import EngineStatus, Http, IndexClient
 from hmakv.demo.promtext import MetricsPage
+from hmakv.kvlog.answers import WorkersResponse
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class Tick:
     at_s: float
     bridge: MetricsPage
     index: MetricsPage
-    workers: WorkersAnswer
+    workers: WorkersResponse
     engines: dict[str, EngineStatus]
 
     def events_received(self, worker: str) -> float:

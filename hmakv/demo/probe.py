@@ -30,18 +30,17 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 from aiokafka.errors import KafkaError
 
 from hmakv.demo.client import (
     EngineClient,
     IndexClient,
     ServiceError,
-    WorkersAnswer,
-    WorkerView,
 )
 from hmakv.demo.prompts import PromptSource
 from hmakv.demo.recordlog import RecordLog
-from hmakv.kvlog.answers import Rank, ScoreResponse, best_worker
+from hmakv.kvlog.answers import Rank, ScoreResponse, WorkersResponse, WorkerView, best_worker
 
 MAX_ATTEMPTS = 4
 CATCH_UP_TIMEOUT_S = 5.0
@@ -54,9 +53,9 @@ EngineSamples = dict[str, dict[int, int]]
 """Per worker: the engine's real hit for the prompt, by the seq it was answered at."""
 
 
-@dataclass(frozen=True)
-class Comparison:
-    """One worker's hit for one prompt at one seq: the engine's, and the index's two answers."""
+class Comparison(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's hit for one prompt at one seq: the engine's, and the index's two answers
+    (the summary lists the disagreeing ones as they are)."""
 
     at_s: float
     worker: str
@@ -181,7 +180,7 @@ def _blind_prediction(comparison: Comparison) -> Rank:
     return (comparison.group_blind,)
 
 
-def by_worker(answer: WorkersAnswer) -> dict[str, WorkerView]:
+def by_worker(answer: WorkersResponse) -> dict[str, WorkerView]:
     return {view.worker: view for view in answer.workers}
 
 

@@ -107,15 +107,6 @@ class Latency(msgspec.Struct, kw_only=True):
     source: str
 
 
-class Mismatch(msgspec.Struct, kw_only=True):
-    worker: str
-    seq: int
-    prompt_tokens: int
-    actual: int
-    hma: int
-    group_blind: int
-
-
 class Routing(msgspec.Struct, kw_only=True):
     probes: int
     attempts: int
@@ -134,7 +125,7 @@ class Routing(msgspec.Struct, kw_only=True):
     requests_routed: int
     routed_hit_tokens_predicted: int
     routed_hit_tokens_granted: int
-    disagreements: list[Mismatch]
+    disagreements: list[Comparison]
 
 
 class Summary(msgspec.Struct, kw_only=True):
@@ -335,18 +326,7 @@ def _routing(stats: ProbeStats) -> Routing:
         requests_routed=len(stats.routed),
         routed_hit_tokens_predicted=sum(r.predicted for r in stats.routed),
         routed_hit_tokens_granted=sum(r.granted for r in stats.routed),
-        disagreements=[_mismatch(c) for c in stats.disagreements()],
-    )
-
-
-def _mismatch(comparison: Comparison) -> Mismatch:
-    return Mismatch(
-        worker=comparison.worker,
-        seq=comparison.seq,
-        prompt_tokens=comparison.prompt_tokens,
-        actual=comparison.actual,
-        hma=comparison.hma,
-        group_blind=comparison.group_blind,
+        disagreements=stats.disagreements(),
     )
 
 

@@ -31,7 +31,6 @@ from hmakv.demo.client import (
     EngineStatus,
     IndexClient,
     VllmClient,
-    WorkerView,
 )
 from hmakv.demo.probe import (
     CATCH_UP_TIMEOUT_S,
@@ -44,7 +43,7 @@ from hmakv.demo.probe import (
     probe_until,
     same_state,
 )
-from hmakv.kvlog.answers import ScoreResponse
+from hmakv.kvlog.answers import ScoreResponse, WorkerView
 from hmakv.vllm.profiles import HASH_FN, HASH_SEED, VllmProfile
 from hmakv.vllm.witness import EventWitness, WitnessState
 from hmakv.vllm.workload import VllmPrompts

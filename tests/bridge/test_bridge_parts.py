@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hmakv.bridge.board import WorkerBoard, WorkerView
+from hmakv.bridge.board import BoardEntry, WorkerBoard
 from hmakv.bridge.catalog import GroupCatalog
 from hmakv.bridge.config import (
     ConfigError,
@@ -250,7 +250,7 @@ def test_llmd_topics_name_the_pod() -> None:
 
 def test_the_board_writes_changes_at_once_and_resume_points_per_interval() -> None:
     board = WorkerBoard(interval=10.0)
-    board.add("w", WorkerView(groups={0: GroupSpec("full_attention", 16)}))
+    board.add("w", BoardEntry(groups={0: GroupSpec("full_attention", 16)}))
     assert [s.last_seq for s in board.due(now=100.0)] == [-1]  # new: written at once
     board.acknowledged("w", 0, 5, 55.0, resumable=True)
     assert board.due(now=101.0) == []  # only the resume point moved: wait for the interval
@@ -273,7 +273,7 @@ def test_the_board_writes_changes_at_once_and_resume_points_per_interval() -> No
 
 def test_a_new_epoch_is_announced_with_where_a_restart_would_resume_it() -> None:
     board = WorkerBoard()
-    board.add("w", WorkerView())
+    board.add("w", BoardEntry())
     board.acknowledged("w", 0, 5, 55.0, resumable=True)
     board.due(now=1.0, flush=True)
     assert board.opens_epoch("w", 1) and not board.opens_epoch("w", 0)
@@ -290,8 +290,8 @@ def test_a_new_epoch_is_announced_with_where_a_restart_would_resume_it() -> None
 
 def test_a_released_worker_has_what_is_not_written_yet_written_then_is_forgotten() -> None:
     board = WorkerBoard(interval=10.0)
-    board.add("moved", WorkerView())
-    board.add("idle", WorkerView())
+    board.add("moved", BoardEntry())
+    board.add("idle", BoardEntry())
     board.due(now=1.0)
     board.acknowledged("moved", 0, 5, 55.0, resumable=True)  # not due for 10 s
     board.release("moved", now=2.0)  # another bridge takes it over: it must resume at 5
@@ -303,7 +303,7 @@ def test_a_released_worker_has_what_is_not_written_yet_written_then_is_forgotten
 
 def test_a_retired_worker_is_written_once_in_its_trackers_newest_epoch_then_forgotten() -> None:
     board = WorkerBoard()
-    board.add("w", WorkerView())
+    board.add("w", BoardEntry())
     board.acknowledged("w", 0, 5, 55.0, resumable=True)
     board.due(now=1.0, flush=True)
     assert board.retire("w", epoch=1, now=2.0) is not None  # its tracker saw a restart

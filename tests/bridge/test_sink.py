@@ -19,7 +19,7 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.record.memory_records import MemoryRecords
 from prometheus_client import generate_latest
 
-from hmakv.bridge.board import WorkerBoard, WorkerView
+from hmakv.bridge.board import BoardEntry, WorkerBoard
 from hmakv.bridge.metrics import BridgeMetrics
 from hmakv.bridge.outbox import KafkaRecord, Outgoing
 from hmakv.bridge.sink import KafkaSink
@@ -69,7 +69,7 @@ def sink_for(
     """The real sink on a stand-in producer; the board follows worker "w" unless given."""
     if board is None:
         board = WorkerBoard()
-        board.add("w", WorkerView())
+        board.add("w", BoardEntry())
     settings: dict[str, object] = {"max_queued": 100, "in_flight": 2, **options}
     sink = KafkaSink(producer, TOPICS, board, BridgeMetrics(), **settings)  # type: ignore[arg-type]
     return board, sink
@@ -368,8 +368,8 @@ async def test_nothing_is_handed_to_a_producer_after_its_refusal() -> None:
     before that chunk is handed over, and before the states written at close."""
     log: list[str] = []
     board = WorkerBoard()
-    board.add("a", WorkerView(changed=False))
-    board.add("b", WorkerView(changed=False))
+    board.add("a", BoardEntry(changed=False))
+    board.add("b", BoardEntry(changed=False))
 
     async def replace(old: object) -> NamedProducer:
         log.append("replaced")
@@ -414,7 +414,7 @@ async def test_a_worker_that_left_leaves_nothing_behind_in_the_sink() -> None:
     sink.start()
     for n in range(50):  # each pod retired when the next takes its place, as the service does
         pod = f"pod-{n}"
-        board.add(pod, WorkerView())
+        board.add(pod, BoardEntry())
         record = KafkaRecord(TOPICS.events, event_key(pod, 0), b"x", [])
         sink.put(Outgoing(pod, 0, 0, 1.0, [record], True))
         await sink.wait_idle()

@@ -14,18 +14,18 @@ import pytest
 from hmakv.bridge.config import load_engines_file
 from hmakv.cli import build_parser
 from hmakv.commands.demo import engines_of
-from hmakv.demo.client import GroupSpecView, WorkerView
 from hmakv.demo.config import ENGINE_LINEUP, chosen_engines, engine_lineup, parse_engine
 from hmakv.demo.probe import holds_exactly, same_state
 from hmakv.demo.promtext import MetricsPage, bucket_difference, bucket_quantile
 from hmakv.demo.recordlog import RecordLog
 from hmakv.demo.run import EngineEndpoints, bridge_engines_toml
 from hmakv.demo.summary import read_engine_exit, too_few_compared
+from hmakv.kvlog.answers import WorkerView
 from hmakv.producer.events import GroupSpec
 
 HMAKV = Path(sys.executable).with_name("hmakv")
-FULL = GroupSpecView(kind="full_attention", block_size=16)
-WINDOW = GroupSpecView(kind="sliding_window", block_size=16, sliding_window=128)
+FULL = GroupSpec(kind="full_attention", block_size=16)
+WINDOW = GroupSpec(kind="sliding_window", block_size=16, sliding_window=128)
 
 
 async def _never() -> dict[str, int]:
@@ -55,6 +55,10 @@ def view(last_seq: dict[int, int], health: str = "live") -> WorkerView:
         groups={0: FULL, 1: WINDOW},
         last_seq=last_seq,
         resident_blocks={},
+        bridge_epoch=0,
+        bridge_last_seq=None,
+        lag_seqs=None,
+        stale_groups=[],
     )
 
 
