@@ -14,15 +14,21 @@ the questions a check needs:
 - ``GET /v1/status``: last published seq, steps, blocks used and cached per group, the profile
   and its group catalog, the hash function and seed (what a router needs to recompute hashes).
 
-Malformed input gets ``400 {"error": "..."}`` naming the field; an engine that stops or does
-not answer in time gets ``503``. The server is a ``ThreadingHTTPServer``: its threads only
-validate and wait on futures that the engine thread resolves, never touching engine state.
+Malformed input gets ``400 {"error": "..."}`` naming the field (the HTTP parser's own errors
+too are JSON); an engine that stops or does not answer in time gets ``503``. Token ids are checked
+against the model's vocabulary, or 2^32 without a model, before anything reaches the scheduler:
+an id the wire cannot carry would make the engine's next batch unencodable. The server is a
+``ThreadingHTTPServer``: its threads only validate and wait on futures that the engine thread
+resolves, never touching engine state. A client gets ``read_timeout`` seconds for each read (an
+idle or half-sent request is answered 408 and closed, so it cannot hold a thread), and at most
+``max_concurrent`` requests are served at once; the rest get ``429`` with ``Retry-After``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -41,6 +47,10 @@ MAX_TOKENS_LIMIT = 1 << 16
 MAX_BODY_BYTES = 16 << 20
 """A million token ids as JSON fit; a bigger body is refused unread."""
 ANSWER_TIMEOUT_S = 30.0
+READ_TIMEOUT_S = 10.0
+MAX_CONCURRENT = 16
+TOKEN_ID_LIMIT = 1 << 32
+"""Without a model, token ids are bounded as vLLM's are on the wire (vocabularies fit 32 bits)."""
 
 
 class EngineStopped(RuntimeError):
@@ -70,7 +80,7 @@ class EngineQueries(Protocol):
     """What the API asks of the engine; each answer is a future the engine thread resolves."""
 
     @property
-    def token_id_limit(self) -> int | None: ...
+    def token_id_limit(self) -> int: ...
 
     def request(self, token_ids: Sequence[int], max_tokens: int) -> Future[AdmissionResult]: ...
 
@@ -83,15 +93,20 @@ class BadRequest(ValueError):
     """Input the API refuses with 400; the message says what is wrong."""
 
 
-def parse_token_ids(body: dict[str, Any], limit: int | None) -> list[int]:
+class _SlowClient(Exception):
+    """The client stopped sending in the middle of its request (408)."""
+
+
+def parse_token_ids(body: dict[str, Any], limit: int) -> list[int]:
     token_ids = body.get("token_ids")
     if not isinstance(token_ids, list) or not token_ids:
         raise BadRequest("token_ids must be a non-empty list of integers")
     for index, token in enumerate(token_ids):
         # bool is an int subclass; true is not a token id.
-        if type(token) is not int or token < 0 or (limit is not None and token >= limit):
-            bound = "a non-negative integer" if limit is None else f"an integer in 0..{limit - 1}"
-            raise BadRequest(f"token_ids[{index}] is {token!r}, expected {bound}")
+        if type(token) is not int or not 0 <= token < limit:
+            shown = repr(token) if len(repr(token)) <= 40 else f"{repr(token)[:40]}..."
+            bound = f"an integer in 0..{limit - 1}"
+            raise BadRequest(f"token_ids[{index}] is {shown}, expected {bound}")
     return token_ids
 
 
@@ -107,7 +122,9 @@ def parse_max_tokens(body: dict[str, Any]) -> int:
 def parse_body(raw: bytes, allowed: frozenset[str]) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except RecursionError:
+        raise BadRequest("the body is not JSON this API reads: nested too deeply") from None
+    except ValueError as error:  # JSONDecodeError, bad UTF-8, an integer of over 4300 digits
         raise BadRequest(f"the body is not JSON: {error}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
@@ -127,10 +144,29 @@ _ROUTES = {"/v1/requests": "POST", "/v1/lookup": "POST", "/v1/status": "GET"}
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a handler waiting on a stopped engine must not hold up exit
 
-    def __init__(self, address: tuple[str, int], engine: EngineQueries, timeout: float) -> None:
-        super().__init__(address, _Handler)
+    def __init__(self, address: tuple[str, int], engine: EngineQueries, limits: ApiLimits) -> None:
+        super().__init__(address, _handler_class(limits.read_timeout))
         self.engine = engine
-        self.answer_timeout = timeout
+        self.answer_timeout = limits.answer_timeout
+        self.slots = threading.BoundedSemaphore(limits.max_concurrent)
+
+    def handle_error(self, request: object, client_address: tuple[str, int]) -> None:
+        """One line per broken connection, not a traceback: a client can cause it at will."""
+        error = sys.exc_info()[1]
+        logger.info("engine API: connection from %s failed: %r", client_address[0], error)
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """How long a client may take and wait, and how many are served at once."""
+
+    answer_timeout: float = ANSWER_TIMEOUT_S
+    read_timeout: float = READ_TIMEOUT_S
+    max_concurrent: int = MAX_CONCURRENT
+
+
+def _handler_class(read_timeout: float) -> type[_Handler]:
+    return type("_TimedHandler", (_Handler,), {"timeout": read_timeout})
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -145,16 +181,41 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
 
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The HTTP parser's errors (bad request line, headers too long, ...) as JSON too."""
+        self.close_connection = True
+        self._reply(HTTPStatus(code), {"error": message or HTTPStatus(code).phrase})
+
     def _dispatch(self, method: str) -> None:
         expected = _ROUTES.get(self.path)
         if expected is None:
             self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint {self.path}"})
             return
         if method != expected:
-            self._reply(HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"use {expected} {self.path}"})
+            error: dict[str, object] = {"error": f"use {expected} {self.path}"}
+            self._reply(HTTPStatus.METHOD_NOT_ALLOWED, error, {"Allow": expected})
+            return
+        if not self.server.slots.acquire(blocking=False):
+            busy: dict[str, object] = {"error": "too many requests in progress; retry shortly"}
+            self._reply(HTTPStatus.TOO_MANY_REQUESTS, busy, {"Retry-After": "1"})
             return
         try:
+            self._serve()
+        finally:
+            self.server.slots.release()
+
+    def _serve(self) -> None:
+        try:
             self._reply(HTTPStatus.OK, self._answer())
+        except _SlowClient as error:
+            self.close_connection = True
+            self._reply(HTTPStatus.REQUEST_TIMEOUT, {"error": str(error)})
         except (BadRequest, RequestRejected) as error:
             self._reply(HTTPStatus.BAD_REQUEST, {"error": str(error)})
         except EngineStopped as error:
@@ -182,16 +243,27 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest("a Content-Length header is required") from None
         if not 0 <= length <= MAX_BODY_BYTES:
             raise BadRequest(f"the body must be at most {MAX_BODY_BYTES} bytes")
-        return self.rfile.read(length)
+        try:
+            body = self.rfile.read(length)
+        except TimeoutError:  # the socket's: ``timeout`` seconds without a byte
+            raise _SlowClient(f"the request was not sent within {self.timeout:g} s") from None
+        if len(body) != length:
+            self.close_connection = True
+            raise BadRequest(f"the body ended after {len(body)} of {length} bytes")
+        return body
 
     def _wait(self, future: Future[T]) -> T:
         return future.result(timeout=self.server.answer_timeout)
 
-    def _reply(self, status: HTTPStatus, document: dict[str, object]) -> None:
+    def _reply(
+        self, status: HTTPStatus, document: dict[str, object], headers: dict[str, str] | None = None
+    ) -> None:
         payload = json.dumps(document).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(payload)
 
@@ -203,10 +275,9 @@ class ApiServer:
         self,
         address: tuple[str, int],
         engine: EngineQueries,
-        *,
-        answer_timeout: float = ANSWER_TIMEOUT_S,
+        limits: ApiLimits = ApiLimits(),
     ) -> None:
-        self._server = _Server(address, engine, answer_timeout)
+        self._server = _Server(address, engine, limits)
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.05},

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from hmakv.producer.engine.api import (
+    TOKEN_ID_LIMIT,
     AdmissionResult,
     ApiServer,
     EngineStopped,
@@ -249,9 +250,9 @@ class Engine:
         return None if self._api is None else self._api.url
 
     @property
-    def token_id_limit(self) -> int | None:
-        """Token ids must be below this when a model reads them (its vocabulary)."""
-        return self.profile.dims.vocab_size if self.config.use_model else None
+    def token_id_limit(self) -> int:
+        """Token ids must be below this: the model's vocabulary, or what the wire can carry."""
+        return self.profile.dims.vocab_size if self.config.use_model else TOKEN_ID_LIMIT
 
     def request_stop(self) -> None:
         """Ask the loop to stop after its current step; safe from signal handlers."""

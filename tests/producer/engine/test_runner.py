@@ -300,6 +300,11 @@ def test_the_api_status_names_the_catalog_and_the_progress(
         ("POST", "/v1/requests", {"token_ids": [1], "max_tokens": 0}, 400, "max_tokens"),
         ("POST", "/v1/requests", {"prompt": [1]}, 400, "unknown field(s) prompt"),
         ("POST", "/v1/requests", {"token_ids": list(range(20_000))}, 400, "does not fit"),
+        # Ids the wire cannot carry once made the engine's next batch unencodable (issue 16).
+        ("POST", "/v1/requests", {"token_ids": [1, 2**64]}, 400, "token_ids[1]"),
+        ("POST", "/v1/requests", {"token_ids": [2**32]}, 400, "0..4294967295"),
+        ("POST", "/v1/requests", b'{"token_ids": [' + b"9" * 5000 + b"]}", 400, "not JSON"),
+        ("POST", "/v1/lookup", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
         ("GET", "/v1/requests", None, 405, "use POST"),
         ("POST", "/v1/status", {}, 405, "use GET"),
         ("GET", "/v2/nothing", None, 404, "no such endpoint"),
