@@ -6,12 +6,18 @@ and encode responses, so the document cannot drift from what the server does. Th
 structs, and the rule that names the best worker, are ``kvlog.answers``: the index builds those
 structs and the demo decodes them, so the three share one definition.
 
-Every error, aiohttp's own (404, 405, 413) included, is a JSON body ``{"error": "..."}``.
+Every error, aiohttp's own (404, 405, 413) included, is a JSON body ``{"error": "..."}``. With
+an access token configured, ``/v1/score`` and ``/v1/workers`` want ``Authorization: Bearer
+<token>`` (compared in constant time; 401 otherwise), while health, readiness, metrics and the
+document stay open to probes and scrapers. At most ``max_concurrent`` requests are served at once,
+the rest answered 429 with ``Retry-After`` at once: a flood must not queue up in front of the
+follower's event loop, which applies the log.
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -70,6 +76,7 @@ class ApiLimits:
     max_prompt_tokens: int = 262_144
     max_prompt_blocks: int = 16_384
     max_worker_filter: int = 4096
+    max_concurrent: int = 64
 
 
 # ----------------------------------------------------------------------------- wire structs
@@ -92,7 +99,9 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         Annotated[int, Doc(ge=1)] | None,
         Doc(description="prompt length with block_hashes (default: one token past them)"),
     ] = None
-    hash_fn: Annotated[str | None, Doc(description="sha256_cbor or xxhash_cbor")] = None
+    hash_fn: Annotated[
+        Annotated[str, Doc(min_length=1)] | None, Doc(description="sha256_cbor or xxhash_cbor")
+    ] = None
     seed: Annotated[str | None, Doc(description="the engines' PYTHONHASHSEED")] = None
     block_size: Annotated[
         Annotated[int, Doc(ge=1)] | None, Doc(description="must equal the server's hash block size")
@@ -191,7 +200,7 @@ class ScoreApi:
                 "Score a prompt's prefix hit on every worker",
                 ScoreResponse,
                 request=ScoreRequest,
-                errors=(400, 413),
+                errors=(400, 401, 413, 429),
             ),
             Route(
                 "GET",
@@ -199,6 +208,7 @@ class ScoreApi:
                 self.workers,
                 "Every worker: catalog, epoch, health, applied seqs, resident blocks, lag",
                 WorkersResponse,
+                errors=(401, 429),
             ),
             Route("GET", "/healthz", self.healthz, "The process answers", Liveness),
             Route(
@@ -459,6 +469,36 @@ def _worker_view(info: WorkerInfo, follower: Follower) -> WorkerView:
 # ----------------------------------------------------------------------------- the app
 
 
+_PROTECTED = frozenset({"/v1/score", "/v1/workers"})
+
+
+def _gatekeeper(token: str | None, max_concurrent: int) -> Any:
+    """The middleware that asks for the bearer token and bounds the requests in progress."""
+    expected = f"Bearer {token}".encode() if token else None
+    in_progress = 0
+
+    @web.middleware
+    async def gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        nonlocal in_progress
+        if expected is not None and request.path in _PROTECTED:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                response = _error(401, "a valid Authorization: Bearer <token> header is required")
+                response.headers["WWW-Authenticate"] = 'Bearer realm="hmakv"'
+                return response
+        if in_progress >= max_concurrent:
+            response = _error(429, f"{max_concurrent} requests in progress; retry shortly")
+            response.headers["Retry-After"] = "1"
+            return response
+        in_progress += 1
+        try:
+            return await handler(request)
+        finally:
+            in_progress -= 1
+
+    return gate
+
+
 @web.middleware
 async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp's own errors (unknown path, wrong method, body too large) as JSON too."""
@@ -470,8 +510,12 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         return _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
 
 
-def build_app(api: ScoreApi) -> web.Application:
-    app = web.Application(middlewares=[_json_errors], client_max_size=api.limits.max_body_bytes)
+def build_app(api: ScoreApi, *, token: str | None = None) -> web.Application:
+    """The app; with ``token``, the score and workers endpoints want it as a bearer token."""
+    gate = _gatekeeper(token, api.limits.max_concurrent)
+    app = web.Application(
+        middlewares=[_json_errors, gate], client_max_size=api.limits.max_body_bytes
+    )
     for route in api.routes():
         app.router.add_route(route.method, route.path, route.handler)
     return app
@@ -479,7 +523,12 @@ def build_app(api: ScoreApi) -> web.Application:
 
 # ----------------------------------------------------------------------------- OpenAPI
 
-_STATUS_TEXT = {400: "Invalid request", 413: "Request or prompt too large"}
+_STATUS_TEXT = {
+    400: "Invalid request",
+    401: "A bearer token is required (when the index has one)",
+    413: "Request or prompt too large",
+    429: "Too many requests in progress",
+}
 
 
 def openapi_document(routes: Iterable[Route], limits: ApiLimits) -> dict[str, Any]:
@@ -537,8 +586,17 @@ def _operation(route: Route, schema_of: dict[Any, Any]) -> dict[str, Any]:
 
 
 def _document_limits(components: dict[str, Any], limits: ApiLimits) -> None:
-    """The configured limits as maxItems, so the document states what the server enforces."""
-    properties = components["ScoreRequest"]["properties"]
+    """The configured limits as maxItems, the one-prompt rule and the hash functions, so the
+    document states what the server enforces."""
+    request = components["ScoreRequest"]
+    request["oneOf"] = [
+        {"required": ["token_ids"], "not": {"required": ["block_hashes"]}},
+        {"required": ["block_hashes"], "not": {"required": ["token_ids"]}},
+    ]
+    properties = request["properties"]
+    for option in properties["hash_fn"]["anyOf"]:
+        if option.get("type") == "string":
+            option["enum"] = list(HASH_FUNCTIONS)
     for name, most in (
         ("token_ids", limits.max_prompt_tokens),
         ("block_hashes", limits.max_prompt_blocks),

@@ -34,6 +34,7 @@ class ServiceConfig:
     snapshot_to: str = "kafka"
     hashing: HashingDefaults = field(default_factory=HashingDefaults)
     limits: ApiLimits = field(default_factory=ApiLimits)
+    api_token: str | None = field(default=None, repr=False)  # never in a log line
 
 
 class IndexService:
@@ -58,7 +59,7 @@ class IndexService:
             hashing=config.hashing,
             limits=config.limits,
         )
-        self._runner = web.AppRunner(build_app(self.api), access_log=None)
+        self._runner = web.AppRunner(build_app(self.api, token=config.api_token), access_log=None)
 
     @property
     def url(self) -> str:

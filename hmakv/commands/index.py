@@ -12,6 +12,7 @@ import logging
 import math
 import signal
 import socket
+from pathlib import Path
 
 from aiokafka.errors import KafkaConnectionError
 
@@ -158,8 +159,25 @@ def _add_api_options(parser: argparse.ArgumentParser) -> None:
         ("max-body-bytes", limits.max_body_bytes, "bytes in a request body"),
         ("max-prompt-tokens", limits.max_prompt_tokens, "token ids in a score request"),
         ("max-prompt-blocks", limits.max_prompt_blocks, "block hashes in a score request"),
+        ("max-concurrent", limits.max_concurrent, "requests in progress (more get 429)"),
     ):
         add(f"--{option}", type=positive_int, default=value, help=f"most {what}")
+    add(
+        "--api-token-file",
+        type=_token_file,
+        metavar="PATH",
+        help="a file holding the bearer token that /v1/score and /v1/workers then want",
+    )
+
+
+def _token_file(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read the token file: {error}") from None
+    if not token:
+        raise argparse.ArgumentTypeError(f"the token file {path} is empty")
+    return token
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:
@@ -187,7 +205,9 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             max_body_bytes=args.max_body_bytes,
             max_prompt_tokens=args.max_prompt_tokens,
             max_prompt_blocks=args.max_prompt_blocks,
+            max_concurrent=args.max_concurrent,
         ),
+        api_token=args.api_token_file,
     )
 
 

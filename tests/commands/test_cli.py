@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hmakv.cli import build_parser
+from hmakv.commands.index import service_config
 
 HMAKV = Path(sys.executable).with_name("hmakv")
 
@@ -77,6 +78,7 @@ SAMPLES = {
     "tansu, apache or HOST:PORT": "apache",
     "engine count (2 to 6)": "3",
     "_engine_choices": "gpt-oss-like:chat,gemma3-like:documents",
+    "_token_file": __file__,  # any readable, non-empty file
 }
 
 
@@ -176,3 +178,23 @@ def test_every_flag_has_a_variable_that_does_what_the_flag_does(
             if not action.required:
                 unset = build_parser().parse_args(words)
                 assert getattr(unset, action.dest) != getattr(flagged, action.dest), variable
+
+
+def test_the_index_reads_its_api_token_from_a_file_and_never_shows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("t0ps3cret\n")
+    args = build_parser().parse_args(
+        ["index", "--kafka", "127.0.0.1:9092", "--api-token-file", str(token_file)]
+    )
+    config = service_config(args)
+    assert config.api_token == "t0ps3cret"
+    assert "t0ps3cret" not in repr(config)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(
+            ["index", "--kafka", "k:1", "--api-token-file", str(tmp_path / "empty")]
+        )
+    assert refused.value.code == 2
+    assert "is empty" in capsys.readouterr().err

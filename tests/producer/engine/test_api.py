@@ -64,7 +64,7 @@ def test_a_body_shorter_than_its_length_is_answered_408_and_frees_the_thread(
     server: ApiServer,
 ) -> None:
     with connect(server) as sock:
-        sock.sendall(b"POST /v1/lookup HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"token")
+        sock.sendall(b'POST /v1/lookup HTTP/1.1\r\nContent-Length: 100\r\n\r\n{"token')
         started = time.monotonic()
         status, headers, body = response(sock)
     assert status == 408 and "not sent within 0.5 s" in str(body["error"])

@@ -1,0 +1,103 @@
+"""The score API against callers it must not trust: no token, a flood, requests its own
+document should have refused (issue 16). A real aiohttp server on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from hmakv.consumers.api import ApiLimits, ScoreApi, build_app
+from hmakv.consumers.follower import Follower, FollowerConfig
+from hmakv.consumers.metrics import index_registry
+from hmakv.consumers.stats import ScoreStats
+from hmakv.kvlog.records import Topics
+
+TOKEN = "s3cret-token"
+SCORE = {"token_ids": list(range(64))}
+
+
+def score_api(limits: ApiLimits) -> ScoreApi:
+    follower = Follower(FollowerConfig("127.0.0.1:1", Topics("unused"), hash_block_size=16))
+    stats = ScoreStats()
+    return ScoreApi(follower, index_registry(follower, stats), stats, limits=limits)
+
+
+@pytest.fixture
+async def guarded() -> AsyncIterator[TestClient[Any, Any]]:
+    app = build_app(score_api(ApiLimits(max_concurrent=1)), token=TOKEN)
+    async with TestClient(TestServer(app)) as client:
+        yield client
+
+
+async def test_score_and_workers_want_the_bearer_token(guarded: TestClient[Any, Any]) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        response = await guarded.post("/v1/score", json=SCORE, headers=headers)
+        assert response.status == 401
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+        assert "Bearer" in (await response.json())["error"]
+        assert (await guarded.get("/v1/workers", headers=headers)).status == 401
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    assert (await guarded.post("/v1/score", json=SCORE, headers=good)).status == 200
+    assert (await guarded.get("/v1/workers", headers=good)).status == 200
+
+
+async def test_probes_and_scrapers_need_no_token(guarded: TestClient[Any, Any]) -> None:
+    for path in ("/healthz", "/metrics", "/openapi.json"):
+        assert (await guarded.get(path)).status == 200, path
+    assert (await guarded.get("/readyz")).status in (200, 503)  # not followed: not ready
+
+
+async def test_a_request_beyond_the_concurrency_limit_gets_429_at_once(
+    guarded: TestClient[Any, Any],
+) -> None:
+    server = guarded.server
+    _reader, writer = await asyncio.open_connection(server.host, server.port)
+    # Headers and half a body: the request holds the one slot while its body is awaited.
+    writer.write(
+        b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+        + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode()
+        + b'{"token_ids": ['
+    )
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    response = await guarded.get("/healthz")
+    assert response.status == 429 and response.headers["Retry-After"] == "1"
+    assert "in progress" in (await response.json())["error"]
+    writer.close()
+    await writer.wait_closed()
+    for _ in range(50):  # the slot comes back once the held request ends
+        if (await guarded.get("/healthz")).status == 200:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the slot of the abandoned request never came back")
+
+
+@pytest.mark.parametrize(
+    ("body", "valid"),
+    [
+        ({"token_ids": [1, 2]}, True),
+        ({"block_hashes": [1, "ab"]}, True),
+        ({}, False),
+        ({"token_ids": [1], "block_hashes": [1]}, False),
+        ({"token_ids": [1], "hash_fn": ""}, False),
+        ({"token_ids": [1], "hash_fn": "md5"}, False),
+        ({"token_ids": [1], "hash_fn": "xxhash_cbor"}, True),
+    ],
+)
+async def test_the_document_refuses_what_the_server_refuses(
+    body: dict[str, Any], valid: bool
+) -> None:
+    async with TestClient(TestServer(build_app(score_api(ApiLimits())))) as client:
+        document = await (await client.get("/openapi.json")).json()
+        status = (await client.post("/v1/score", data=json.dumps(body))).status
+    schema = {"$ref": "#/components/schemas/ScoreRequest", "components": document["components"]}
+    accepted = jsonschema.Draft202012Validator(schema).is_valid(body)
+    assert accepted is valid
+    assert (status == 200) is valid
