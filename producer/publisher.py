@@ -542,7 +542,9 @@ class ZmqEventPublisher:
     ``replay_budget`` (messages per reply per loop turn), ``replay_timeout`` (seconds a reply may
     make no progress), ``max_replies`` (replies and snapshot requests in progress at once; more
     requests are ignored, so a client that floods the ROUTER costs bounded work),
-    ``replay_hwm`` (ROUTER send high-water mark), ``flush_interval_ms`` (how
+    ``replay_hwm`` (ROUTER send high-water mark), ``bind`` (True: bind the PUB endpoint even
+    where it names a host, such as ``tcp://127.0.0.1:5557``, to serve loopback or one interface
+    instead of all; None: vLLM's rule, ``protocol.should_bind``), ``flush_interval_ms`` (how
     often an idle publisher thread looks for batches and requests), ``shutdown_timeout`` and
     ``context`` (defaults to a private one, terminated on shutdown so queued batches are flushed;
     pass a shared one to reach ``inproc://`` endpoints from other sockets).
@@ -564,6 +566,7 @@ class ZmqEventPublisher:
         replay_timeout: float = 5.0,
         max_replies: int = 64,
         replay_hwm: int = 1000,
+        bind: bool | None = None,
         flush_interval_ms: int = 1,
         shutdown_timeout: float = 1.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
@@ -584,7 +587,8 @@ class ZmqEventPublisher:
         self._ctx = zmq.Context() if context is None else context
         self._endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
         self._replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
-        pub, router = self._open_sockets(hwm, replay_hwm)
+        binds = should_bind(self.endpoint) if bind is None else bind
+        pub, router = self._open_sockets(hwm, replay_hwm, binds)
         self._handoff = _Handoff()
         self._loop = _PublisherLoop(
             self._handoff,
@@ -705,7 +709,7 @@ class ZmqEventPublisher:
         self._handoff.wake()
 
     def _open_sockets(
-        self, hwm: int, replay_hwm: int
+        self, hwm: int, replay_hwm: int, binds: bool
     ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
         """Bind or connect here, so a taken port fails the constructor, as in vLLM; on failure
         close what was opened, since no shutdown() will follow."""
@@ -714,7 +718,7 @@ class ZmqEventPublisher:
             pub = self._ctx.socket(zmq.PUB)
             opened.append(pub)
             pub.set_hwm(hwm)
-            if should_bind(self.endpoint):
+            if binds:
                 pub.bind(self.endpoint)
             else:
                 pub.connect(self.endpoint)

@@ -29,6 +29,9 @@ from hmakv.producer.publisher import ZmqEventPublisher
 logger = logging.getLogger(__name__)
 
 OPT_IN_ENV = "HMAKV_VLLM_PUBLISHER"
+BIND_ENV = "HMAKV_VLLM_BIND"
+"""``1``: bind the endpoint even where it names a host (``tcp://127.0.0.1:5557``), which vLLM's
+rule would connect: the one way to publish on loopback only, since vLLM's config has no flag."""
 REPLACED_PUBLISHER = "zmq"
 VLLM_KV_EVENTS_MODULE = "vllm.distributed.kv_events"
 VLLM_SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
@@ -149,6 +152,7 @@ def create_publisher(
         max_queue_size,
         topic,
         snapshot_provider=lambda: publisher.vllm_snapshot(),
+        bind=True if os.environ.get(BIND_ENV, "").strip() == "1" else None,
     )
     config_type = getattr(sys.modules.get(VLLM_KV_EVENTS_MODULE), "KVEventsConfig", None)
     if config_type is not None:

@@ -46,8 +46,8 @@ SIGTERM stop the engine cleanly, sending every queued batch first.
 
 examples:
   hmakv engine --profile gpt-oss-like --workload chat
-  hmakv engine --no-model --workload documents --rate 50 --endpoint tcp://*:5557 \\
-      --replay-endpoint tcp://*:5560 --api 127.0.0.1:8300
+  hmakv engine --no-model --workload documents --rate 50 --bind \\
+      --endpoint tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5560 --api 127.0.0.1:8300
   hmakv decode --zmq tcp://127.0.0.1:5557     # watch it, in another terminal"""
 
 
@@ -99,7 +99,12 @@ def _add_publisher_options(parser: argparse.ArgumentParser) -> None:
     add(
         "--endpoint",
         default="tcp://*:5557",
-        help="ZMQ PUB endpoint; wildcards bind, host addresses connect",
+        help="ZMQ PUB endpoint; wildcards bind, host addresses connect (unless --bind)",
+    )
+    add(
+        "--bind",
+        action="store_true",
+        help="bind --endpoint even where it names a host (tcp://127.0.0.1:5557: loopback only)",
     )
     add("--replay-endpoint", help="ZMQ ROUTER endpoint for replay and snapshot requests")
     add("--topic", default="", help="ZMQ topic (default empty)")
@@ -157,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         use_model=not args.no_model,
         endpoint=args.endpoint,
         replay_endpoint=args.replay_endpoint,
+        bind=args.bind,
         topic=args.topic,
         worker_name=args.worker_name,
         dp_rank=args.dp_rank,

@@ -76,6 +76,7 @@ class EngineConfig:
     use_model: bool = True
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
+    bind: bool = False  # bind ``endpoint`` even where it names a host (vLLM's rule otherwise)
     topic: str = ""
     worker_name: str = "engine"
     dp_rank: int = 0
@@ -213,6 +214,7 @@ class Engine:
             config.replay_endpoint,
             topic=config.topic,
             snapshot_provider=self._resident_events,
+            bind=True if config.bind else None,
         )
         try:
             recorder = EventRecorder(

@@ -302,6 +302,23 @@ def test_publisher_connects_to_a_subscriber_that_binds(
         assert receive_live(sub)[0] == last + 1
 
 
+def test_bind_serves_a_host_address_such_as_loopback_only(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """vLLM's rule binds only wildcards, so a publisher could not serve loopback alone; with
+    ``bind`` it binds the host address it is given (issue 16)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with ZmqEventPublisher(0, endpoint, topic=TOPIC, bind=True) as pub:
+        sub = subscriber(ctx, endpoint)
+        last = join_live_stream(pub, sub)
+        pub.publish(removal(5))
+        assert receive_live(sub)[0] == last + 1
+        taken = ctx.socket(zmq.PUB)
+        with pytest.raises(zmq.ZMQError):  # the port is this publisher's, on loopback
+            taken.bind(endpoint)
+        taken.close(linger=0)
+
+
 def test_full_queue_drops_batches_but_keeps_their_seqs(
     ctx: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[str, str]
 ) -> None:

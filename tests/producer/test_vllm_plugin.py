@@ -240,6 +240,29 @@ def test_create_yields_hmakv_publisher_on_the_configured_endpoints(
         publisher.shutdown()
 
 
+@pytest.mark.usefixtures("opted_in")
+def test_with_the_bind_variable_a_loopback_endpoint_is_served_not_connected(
+    kv_events: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(vllm_plugin.BIND_ENV, "1")
+    vllm_plugin.register()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+    publisher = kv_events.EventPublisherFactory.create(config, data_parallel_rank=0)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.connect(endpoint)  # works only if the publisher bound the loopback address
+        sub.subscribe(b"")
+        first = wait_for_subscription(publisher, sub)
+        publisher.publish(vllm_step(0))
+        assert sub.poll(int(WAIT_S * 1000))
+        assert decode_seq(sub.recv_multipart()[1]) == first
+    finally:
+        publisher.shutdown()
+        ctx.destroy(linger=0)
+
+
 def vllm_step(step: int) -> KVEventBatch:
     """A vLLM step batch as vLLM's scheduler hands it over: no rank yet, HMA fields set."""
     return KVEventBatch(
