@@ -92,7 +92,9 @@ class EventBatchLike(Protocol):
 @dataclass
 class PublisherStats:
     """Counters of one publisher. Once the queue is drained, ``published == sent +
-    dropped_queue_full + encode_errors + dropped_at_shutdown``: every seq is accounted for."""
+    dropped_queue_full + encode_errors + dropped_at_shutdown``: every seq is accounted for
+    (a batch that cannot be encoded goes out as an ``AllBlocksCleared``, counted in
+    ``encode_errors`` only)."""
 
     published: int = 0
     """Sequence numbers assigned, the leading clear included."""
@@ -317,15 +319,25 @@ class _PublisherLoop:
             payload = ring.next_slot()
             try:
                 encode_into(batch, payload)
+                stats.sent += 1
             except _UNENCODABLE:
-                payload.clear()
-                stats.encode_errors += 1
-                logger.exception("KV-event batch seq %d cannot be encoded; it becomes a gap", seq)
-                continue
+                stats.encode_errors += 1  # sent as a clear, counted here and not in ``sent``
+                logger.exception(
+                    "KV-event batch seq %d cannot be encoded; an AllBlocksCleared goes out in "
+                    "its place",
+                    seq,
+                )
+                encode_into(self._clear_in_place_of_unencodable(), payload)
             send(topic, zmq.SNDMORE)
             send(seq_frame(seq), zmq.SNDMORE)
             send(payload)
-            stats.sent += 1
+
+    def _clear_in_place_of_unencodable(self) -> KVEventBatch:
+        """What is sent at the seq of a batch that cannot be encoded. A gap there could never
+        be replayed (the ring has nothing to replay) and would leave the worker degraded for
+        good; a clear makes consumers forget the engine's blocks instead, so that they then know
+        less than the engine holds, never more, and follow it again from the next batch."""
+        return KVEventBatch(time.time(), [AllBlocksCleared()], self._rank)
 
     def _log_dropped(self, first: int, stop: int) -> None:
         self._warn(

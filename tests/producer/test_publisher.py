@@ -357,18 +357,28 @@ UNENCODABLE_EVENTS: dict[str, object] = {
 
 
 @pytest.mark.parametrize("event", list(UNENCODABLE_EVENTS.values()), ids=list(UNENCODABLE_EVENTS))
-def test_batch_that_cannot_be_encoded_becomes_a_counted_gap(
+def test_batch_that_cannot_be_encoded_goes_out_as_a_clear_and_is_counted(
     ctx: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[str, str], event: object
 ) -> None:
     """Whatever msgspec raises for one batch, the publisher thread goes on (had it ended,
-    nothing more would be sent, and nothing would tell the engine)."""
+    nothing more would be sent, and nothing would tell the engine). The seq carries a clear,
+    live and in replay: a gap there could never be replayed, and the worker would stay degraded
+    for good (issue 16)."""
     with publisher(endpoints) as pub:
         sub = subscriber(ctx, local(pub.endpoint))
         last = join_live_stream(pub, sub)
         pub.publish(ForeignBatch(ts=1.0, events=[event]))
         pub.publish(removal(1))
+        seq, cleared = receive_live(sub)
+        assert seq == last + 1 and cleared.events == [AllBlocksCleared()]
         assert receive_live(sub)[0] == last + 2
-        assert pub.stats().encode_errors == 1
+        stats = pub.stats()
+        assert stats.encode_errors == 1
+        assert stats.published == stats.sent + stats.encode_errors
+        dealer = replay_client(ctx, pub.replay_endpoint or "")
+        dealer.send_multipart(replay_request(last + 1))
+        reply = receive(dealer)
+        assert decode_seq(reply[2]) == last + 1 and decode(reply[3]).events == [AllBlocksCleared()]
 
 
 def test_shutdown_timeout_bounds_the_drain_and_counts_what_is_left(
