@@ -2,7 +2,8 @@
 
 Engines that connect to ``--bind-sub`` share one SUB socket, so a message's topic (and the DP
 rank in its payload) is all that tells them apart. A ``BoundRoster`` knows the configured
-engines by their topic, exactly; any other topic is put to a ``TopicConvention``, an engine
+engines by their topic, exactly; any other topic is refused, unless the operator opted in
+(``--join-by-topic``) and it is put to a ``TopicConvention``, an engine
 adapter's rule naming the engine instance behind a topic (llm-d's ``kv@<pod-id>@<model>``
 today, ``LLMD_TOPICS``; another publisher's tomorrow). Such an instance's workers are named as a
 configured engine's (``<instance>``, ``<instance>-dp<rank>`` above rank 0) and join on their
@@ -73,6 +74,9 @@ class _Joined:
 class BoundRoster(Generic[Channel]):
     """The bound socket's engines and workers; ``route`` names each message's channel.
 
+    Without a ``convention`` only configured engines are followed: anyone who can reach the
+    bound socket could otherwise make up a worker and write the index.
+
     ``channels`` is the owner's map of every worker's channel (configured engines' included, so
     that a topic-named worker never takes a configured one's id); ``join`` makes, registers and
     starts the channel of a worker joining by topic; ``retire`` closes and retires a worker
@@ -86,7 +90,7 @@ class BoundRoster(Generic[Channel]):
         retire: Callable[[str], None],
         *,
         max_workers: int,
-        convention: TopicConvention = LLMD_TOPICS,
+        convention: TopicConvention | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._channels = channels
@@ -115,6 +119,8 @@ class BoundRoster(Generic[Channel]):
         engine = self._by_topic.get(topic)
         if engine is not None:
             return self._configured(engine, rank)
+        if self._convention is None:
+            return f"topic {topic!r} is no configured engine's (others join only --join-by-topic)"
         instance = self._convention.instance(topic)
         if instance is None:
             pattern = self._convention.pattern

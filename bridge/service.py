@@ -36,7 +36,7 @@ from hmakv.bridge.intake import Intake
 from hmakv.bridge.metrics import BridgeMetrics
 from hmakv.bridge.relay import WorkerRelay
 from hmakv.bridge.resume import read_worker_states
-from hmakv.bridge.roster import BoundRoster
+from hmakv.bridge.roster import LLMD_TOPICS, BoundRoster
 from hmakv.bridge.sink import KafkaSink
 from hmakv.bridge.source import BoundSource, ConnectedSource, SourceState, SubscriberDeps
 from hmakv.bridge.tracking import DEFAULT_MAX_BUFFERED, ResumePoint, SequenceTracker
@@ -77,6 +77,7 @@ class BridgeSettings:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_record_bytes: int = 8 * 1024 * 1024
     max_workers: int = 1024
+    join_by_topic: bool = False  # engines not configured may join on --bind-sub (llm-d's topics)
     state_interval: float = 1.0
     # Chunks sent before the oldest is acknowledged (idempotent producer). aiokafka keeps one
     # request per broker in flight and one batch per partition waiting: a deeper pipeline
@@ -125,7 +126,11 @@ class BridgeService:
         self._sources: dict[str, tuple[ConnectedSource, asyncio.Task[None]]] = {}
         self._bound: tuple[BoundSource, asyncio.Task[None]] | None = None
         self._roster = BoundRoster(
-            self._channels, self._join, self._retire_joined, max_workers=settings.max_workers
+            self._channels,
+            self._join,
+            self._retire_joined,
+            max_workers=settings.max_workers,
+            convention=LLMD_TOPICS if settings.join_by_topic else None,
         )
         # The workers topic as read at start (and on reload), with the workers retired since:
         # where a worker this bridge does not follow yet would resume.

@@ -55,7 +55,8 @@ marks it degraded. A restarted bridge resumes where the workers topic says it st
 
 Engines come from --engine flags, HMAKV_BRIDGE_ENGINE (';'-separated) and --engines FILE (TOML,
 reloaded on SIGHUP). Either the bridge connects to each engine's PUB endpoint, or engines
-connect to --bind-sub and are told apart by topic (configured, or llm-d's kv@<pod-id>@<model>).
+connect to --bind-sub and are told apart by topic (configured, or with --join-by-topic llm-d's
+kv@<pod-id>@<model>).
 """
 
 EPILOG = """\
@@ -193,6 +194,13 @@ def _add_flow_options(parser: argparse.ArgumentParser) -> None:
         help="live batches held per worker during a replay; more wait for the next replay",
     )
     add(
+        "--join-by-topic",
+        action="store_true",
+        help="on --bind-sub, let engines that are not in --engines join when their topic is "
+        "llm-d's kv@<pod-id>@<model> (off: refused and dead-lettered, since anyone who reaches "
+        "the socket could write the index)",
+    )
+    add(
         "--max-workers",
         type=positive_int,
         default="1024",
@@ -244,6 +252,7 @@ def _settings(args: argparse.Namespace) -> BridgeSettings:
         max_payload_bytes=args.max_payload_bytes,
         max_record_bytes=args.max_record_bytes,
         max_workers=args.max_workers,
+        join_by_topic=args.join_by_topic,
         state_interval=args.state_interval,
         shutdown_timeout=args.shutdown_timeout,
         security=kafka_security(args),

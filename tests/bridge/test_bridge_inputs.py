@@ -273,7 +273,9 @@ async def test_engines_that_connect_to_the_bridge_are_told_apart_by_topic(
     configured = EngineConfig(
         "engine-c", None, f"tcp://127.0.0.1:{replay_port}", topic="kv@engine-c@m"
     )
-    settings = settings_for(kafka_bootstrap, bind_sub=f"tcp://127.0.0.1:{bind_port}")
+    settings = settings_for(
+        kafka_bootstrap, bind_sub=f"tcp://127.0.0.1:{bind_port}", join_by_topic=True
+    )
     async with running_bridge(settings, [configured]) as bridge:
         publishers = {
             topic: ZmqEventPublisher(
@@ -308,6 +310,36 @@ async def test_engines_that_connect_to_the_bridge_are_told_apart_by_topic(
     assert engine_c == list(range(51))
     assert [r.events for r in log.records_of("engine-c") if r.seq == 0] == [[AllBlocksCleared()]]
     assert log.records_of("pod-a")[-1].seq == 50
+
+
+async def test_without_join_by_topic_a_made_up_pod_cannot_write_the_index(
+    kafka_bootstrap: str,
+) -> None:
+    """Anyone who reaches --bind-sub could once make up an llm-d topic and become a live worker
+    that /v1/score named best (issue 16): by default only configured engines are followed, and
+    the rest is dead-lettered and counted."""
+    bind_port = free_port()
+    configured = EngineConfig("engine-c", None, None, topic="kv@engine-c@m")
+    settings = settings_for(kafka_bootstrap, bind_sub=f"tcp://127.0.0.1:{bind_port}")
+    async with running_bridge(settings, [configured]) as bridge:
+        publishers = [
+            ZmqEventPublisher(0, f"tcp://127.0.0.1:{bind_port}", None, topic=topic)
+            for topic in ("kv@intruder@llama", "kv@engine-c@m")
+        ]
+        try:
+            await asyncio.sleep(0.5)  # their connections to the bridge are made
+            await asyncio.to_thread(publish_steps, publishers, 20)
+            log = KafkaLog(kafka_bootstrap, settings.topics)
+            await log.wait_for(lambda log: log.has_seq("engine-c", 20), "engine-c's 20 steps")
+            await log.wait_for(lambda log: bool(log.dead_letters), "the intruder's dead letters")
+            unknown = metric(bridge, "hmakv_bridge_frames_rejected_total", reason="worker_unknown")
+        finally:
+            for publisher in publishers:
+                publisher.shutdown()
+    assert {r.worker for r in log.events} == {"engine-c"}
+    assert log.state("intruder") is None
+    assert unknown >= 1
+    assert {d.reason for d in log.dead_letters} == {"worker_unknown"}
 
 
 async def test_reloading_away_a_connected_engine_keeps_a_bound_engine_of_its_topic(
@@ -351,7 +383,9 @@ async def test_every_dp_rank_of_an_engine_that_connects_reaches_the_bridge(
     """vLLM offsets each DP rank's port, connect endpoints too: with --bind-sub-ranks 2 the
     bridge binds the port and the next, and rank 1 becomes its own worker."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    settings = settings_for(kafka_bootstrap, bind_sub=endpoint, bind_sub_ranks=2)
+    settings = settings_for(
+        kafka_bootstrap, bind_sub=endpoint, bind_sub_ranks=2, join_by_topic=True
+    )
     log = KafkaLog(kafka_bootstrap, settings.topics)
     async with running_bridge(settings, []):
         ranks = [ZmqEventPublisher(rank, endpoint, None, topic="kv@p@m") for rank in (0, 1)]
@@ -374,7 +408,7 @@ async def test_two_pods_whose_ranks_give_one_worker_id_are_not_mixed(kafka_boots
     """Pod "p" at DP rank 1 and pod "p-dp1" at rank 0 would both be worker "p-dp1": the second
     to speak is refused (dead-lettered, counted) instead of mixing its seqs into the first's."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    settings = settings_for(kafka_bootstrap, bind_sub=endpoint)
+    settings = settings_for(kafka_bootstrap, bind_sub=endpoint, join_by_topic=True)
     log = KafkaLog(kafka_bootstrap, settings.topics)
     ctx = zmq.Context()
     try:
@@ -492,7 +526,9 @@ async def test_a_pod_past_max_workers_waits_for_a_silent_one_to_be_retired(
     while every known one is recent, and takes the place of one silent long enough (shortened
     here from minutes)."""
     bind_port = free_port()
-    settings = settings_for(kafka_bootstrap, bind_sub=f"tcp://127.0.0.1:{bind_port}", max_workers=2)
+    settings = settings_for(
+        kafka_bootstrap, bind_sub=f"tcp://127.0.0.1:{bind_port}", max_workers=2, join_by_topic=True
+    )
     endpoint = f"tcp://127.0.0.1:{bind_port}"
     async with running_bridge(settings, []) as bridge:
         pods = {

@@ -146,7 +146,7 @@ async def test_a_pod_resumes_its_epoch_after_a_bridge_restart(kafka_bootstrap: s
     degraded: a pod has no replay endpoint, and its first messages may reach no socket yet.)"""
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
-    settings = settings_for(kafka_bootstrap, bind_sub=endpoint)
+    settings = settings_for(kafka_bootstrap, bind_sub=endpoint, join_by_topic=True)
     log = KafkaLog(kafka_bootstrap, settings.topics)
     topic = "kv@pod-x@llama"
     async with running_bridge(settings, []):

@@ -20,7 +20,9 @@ from hmakv.bridge.roster import (
 class Owner:
     """What the service does for the roster: channels by worker, joins and retirements."""
 
-    def __init__(self, max_workers: int = 8, convention: TopicConvention = LLMD_TOPICS) -> None:
+    def __init__(
+        self, max_workers: int = 8, convention: TopicConvention | None = LLMD_TOPICS
+    ) -> None:
         self.now = 0.0
         self.channels: dict[str, str] = {}
         self.joined: list[WorkerAddress] = []
@@ -86,6 +88,16 @@ def test_a_topic_of_no_engine_and_no_convention_is_refused(topic: bytes) -> None
     owner = Owner()
     reason = owner.roster.route(topic, 0)
     assert reason == f"topic {topic!r} is no configured engine's and not kv@<pod-id>@<model>"
+    assert owner.joined == [] and owner.channels == {}
+
+
+def test_without_a_convention_only_configured_engines_are_routed() -> None:
+    """The default (no --join-by-topic): a made-up llm-d topic joins nobody (issue 16)."""
+    owner = Owner(convention=None)
+    reason = owner.roster.route(b"kv@intruder@llama", 0)
+    assert reason == (
+        "topic b'kv@intruder@llama' is no configured engine's (others join only --join-by-topic)"
+    )
     assert owner.joined == [] and owner.channels == {}
 
 
