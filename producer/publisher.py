@@ -114,6 +114,9 @@ class PublisherStats:
     snapshot_batches_sent: int = 0
     snapshots_sent: int = 0
     snapshots_unavailable: int = 0
+    snapshot_events_unencodable: int = 0
+    """Snapshot events left out because msgspec cannot encode them (the snapshot goes out without
+    them: consumers then know less than the engine holds, never more)."""
     """Snapshot requests answered with the end marker alone."""
 
 
@@ -169,7 +172,6 @@ class _StreamState(enum.Enum):
     MORE = enum.auto()  # budget spent, can send more right away
     STALLED = enum.auto()  # the client's pipe is full
     GONE = enum.auto()  # the client disconnected
-    UNENCODABLE = enum.auto()  # a snapshot event cannot be encoded
 
 
 class _Snapshot:
@@ -185,6 +187,7 @@ class _Snapshot:
         topic: bytes,
         data_parallel_rank: int,
         encode: Callable[[Any], bytes],
+        on_unencodable: Callable[[int], None],
     ) -> None:
         self._seq_frame = encode_seq(seq)
         self._events: list[KVEvent] = [AllBlocksCleared(), *events]
@@ -192,6 +195,7 @@ class _Snapshot:
         self._topic = topic
         self._rank = data_parallel_rank
         self._encode = encode
+        self._on_unencodable = on_unencodable
         self._payloads: list[bytes] = []
         self._ts = time.time()
 
@@ -199,8 +203,25 @@ class _Snapshot:
         for index, start in enumerate(range(0, len(self._events), self._chunk_events)):
             if index == len(self._payloads):
                 chunk = self._events[start : start + self._chunk_events]
-                self._payloads.append(self._encode(KVEventBatch(self._ts, chunk, self._rank)))
+                self._payloads.append(self._encode_chunk(chunk))
             yield (self._topic, self._seq_frame, self._payloads[index])
+
+    def _encode_chunk(self, chunk: list[KVEvent]) -> bytes:
+        """The chunk's batch; should an event not encode, the batch of the others (each event
+        is tried alone only then)."""
+        try:
+            return self._encode(KVEventBatch(self._ts, chunk, self._rank))
+        except _UNENCODABLE:
+            kept = [event for event in chunk if self._encodes(event)]
+            self._on_unencodable(len(chunk) - len(kept))
+            return self._encode(KVEventBatch(self._ts, kept, self._rank))
+
+    def _encodes(self, event: KVEvent) -> bool:
+        try:
+            self._encode(event)
+        except _UNENCODABLE:
+            return False
+        return True
 
 
 class _ReplayRing:
@@ -444,10 +465,19 @@ class _PublisherLoop:
                 topic=self._topic,
                 data_parallel_rank=self._rank,
                 encode=self._encoder.encode,
+                on_unencodable=self._count_unencodable_snapshot_events,
             )
             for identity, _ in waiters:
                 stream = _ReplyStream(identity, _ReplyKind.SNAPSHOT, snapshot.frames(), now)
                 self._streams.append(stream)
+
+    def _count_unencodable_snapshot_events(self, count: int) -> None:
+        self.stats.snapshot_events_unencodable += count
+        self._warn(
+            "unencodable snapshot events",
+            "%d snapshot events cannot be encoded; the snapshot goes out without them",
+            count,
+        )
 
     def _expire_snapshot_waiters(self, now: float) -> None:
         deadline = now - self._settings.reply_timeout
@@ -462,11 +492,7 @@ class _PublisherLoop:
         router = self._router
         assert router is not None
         for _ in range(self._settings.reply_budget):
-            try:
-                frames = stream.pending or next(stream.frames)
-            except _UNENCODABLE:
-                logger.exception("a snapshot event cannot be encoded")
-                return _StreamState.UNENCODABLE
+            frames = stream.pending or next(stream.frames)
             try:
                 router.send_multipart((stream.identity, b"", *frames), zmq.NOBLOCK)
             except zmq.Again:
@@ -499,11 +525,6 @@ class _PublisherLoop:
             return False
         if state is _StreamState.GONE:
             self._abandon(stream, "the client disconnected")
-            return False
-        if state is _StreamState.UNENCODABLE:
-            # No end marker: the chunks the client has are not the whole snapshot, and a reply
-            # that stalls is one it gives up on.
-            self._abandon(stream, "an event of the snapshot cannot be encoded")
             return False
         if (
             state is _StreamState.STALLED
