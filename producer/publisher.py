@@ -114,10 +114,10 @@ class PublisherStats:
     snapshot_batches_sent: int = 0
     snapshots_sent: int = 0
     snapshots_unavailable: int = 0
+    """Snapshot requests answered with the end marker alone."""
     snapshot_events_unencodable: int = 0
     """Snapshot events left out because msgspec cannot encode them (the snapshot goes out without
     them: consumers then know less than the engine holds, never more)."""
-    """Snapshot requests answered with the end marker alone."""
 
 
 class _Handoff:
@@ -575,9 +575,9 @@ class ZmqEventPublisher:
     ``replay_budget`` (messages per reply per loop turn), ``replay_timeout`` (seconds a reply may
     make no progress), ``max_replies`` (replies and snapshot requests in progress at once; more
     requests are ignored, so a client that floods the ROUTER costs bounded work),
-    ``replay_hwm`` (ROUTER send high-water mark), ``bind`` (True: bind the PUB endpoint even
-    where it names a host, such as ``tcp://127.0.0.1:5557``, to serve loopback or one interface
-    instead of all; None: vLLM's rule, ``protocol.should_bind``), ``flush_interval_ms`` (how
+    ``replay_hwm`` (ROUTER send high-water mark), ``bind`` (bind the PUB endpoint even where
+    it names a host, such as ``tcp://127.0.0.1:5557``, to serve loopback or one interface instead
+    of all; otherwise vLLM's rule, ``protocol.should_bind``), ``flush_interval_ms`` (how
     often an idle publisher thread looks for batches and requests), ``shutdown_timeout`` and
     ``context`` (defaults to a private one, terminated on shutdown so queued batches are flushed;
     pass a shared one to reach ``inproc://`` endpoints from other sockets).
@@ -599,7 +599,7 @@ class ZmqEventPublisher:
         replay_timeout: float = 5.0,
         max_replies: int = 64,
         replay_hwm: int = 1000,
-        bind: bool | None = None,
+        bind: bool = False,
         flush_interval_ms: int = 1,
         shutdown_timeout: float = 1.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
@@ -620,8 +620,7 @@ class ZmqEventPublisher:
         self._ctx = zmq.Context() if context is None else context
         self._endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
         self._replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
-        binds = should_bind(self.endpoint) if bind is None else bind
-        pub, router = self._open_sockets(hwm, replay_hwm, binds)
+        pub, router = self._open_sockets(hwm, replay_hwm, bind or should_bind(self.endpoint))
         self._handoff = _Handoff()
         self._loop = _PublisherLoop(
             self._handoff,

@@ -152,7 +152,7 @@ def create_publisher(
         max_queue_size,
         topic,
         snapshot_provider=lambda: publisher.vllm_snapshot(),
-        bind=True if os.environ.get(BIND_ENV, "").strip() == "1" else None,
+        bind=os.environ.get(BIND_ENV, "").strip() == "1",
     )
     config_type = getattr(sys.modules.get(VLLM_KV_EVENTS_MODULE), "KVEventsConfig", None)
     if config_type is not None:

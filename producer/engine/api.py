@@ -104,7 +104,9 @@ def parse_token_ids(body: dict[str, Any], limit: int) -> list[int]:
     for index, token in enumerate(token_ids):
         # bool is an int subclass; true is not a token id.
         if type(token) is not int or not 0 <= token < limit:
-            shown = repr(token) if len(repr(token)) <= 40 else f"{repr(token)[:40]}..."
+            shown = repr(token)
+            if len(shown) > 40:
+                shown = f"{shown[:40]}..."
             bound = f"an integer in 0..{limit - 1}"
             raise BadRequest(f"token_ids[{index}] is {shown}, expected {bound}")
     return token_ids
@@ -145,8 +147,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a handler waiting on a stopped engine must not hold up exit
 
     def __init__(self, address: tuple[str, int], engine: EngineQueries, limits: ApiLimits) -> None:
-        super().__init__(address, _handler_class(limits.read_timeout))
+        super().__init__(address, _Handler)
         self.engine = engine
+        self.read_timeout = limits.read_timeout
         self.answer_timeout = limits.answer_timeout
         self.slots = threading.BoundedSemaphore(limits.max_concurrent)
 
@@ -165,10 +168,6 @@ class ApiLimits:
     max_concurrent: int = MAX_CONCURRENT
 
 
-def _handler_class(read_timeout: float) -> type[_Handler]:
-    return type("_TimedHandler", (_Handler,), {"timeout": read_timeout})
-
-
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
@@ -177,6 +176,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self._dispatch("POST")
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.read_timeout)  # each read, headers included
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
@@ -245,8 +248,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"the body must be at most {MAX_BODY_BYTES} bytes")
         try:
             body = self.rfile.read(length)
-        except TimeoutError:  # the socket's: ``timeout`` seconds without a byte
-            raise _SlowClient(f"the request was not sent within {self.timeout:g} s") from None
+        except TimeoutError:  # the socket's: ``read_timeout`` seconds without a byte
+            message = f"the request was not sent within {self.server.read_timeout:g} s"
+            raise _SlowClient(message) from None
         if len(body) != length:
             self.close_connection = True
             raise BadRequest(f"the body ended after {len(body)} of {length} bytes")

@@ -214,7 +214,7 @@ class Engine:
             config.replay_endpoint,
             topic=config.topic,
             snapshot_provider=self._resident_events,
-            bind=True if config.bind else None,
+            bind=config.bind,
         )
         try:
             recorder = EventRecorder(
