@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 from prometheus_client import Counter as MetricCounter
@@ -45,6 +45,7 @@ from hmakv.bridge.tracking import (
 )
 from hmakv.kvlog.logs import RateLimitedLog
 from hmakv.kvlog.records import WorkerState
+from hmakv.producer.curve import KeyPair, connect_to
 from hmakv.producer.events import DecodedBatch
 from hmakv.producer.protocol import SNAPSHOT_REQUEST, ReplyEnd, replay_request
 
@@ -63,6 +64,9 @@ class SourceSettings:
     receive_limit: int = 64
     rcvhwm: int = 1000
     dead_letter_max_bytes: int = 512 * 1024
+    # CURVE: the bridge's key pair. A connected engine's sockets must then prove its key; the
+    # bound socket admits configured engines' keys (and --join-keys).
+    curve_keys: KeyPair | None = field(default=None, repr=False)
 
 
 class WorkerChannel:
@@ -297,6 +301,9 @@ class WorkerChannel:
         assert self.address.replay is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        keys, server_key = self._settings.curve_keys, self.address.public_key
+        if keys is not None and server_key is not None:
+            connect_to(dealer, keys, server_key)
         readable = Readable(dealer)
         try:
             try:

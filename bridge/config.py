@@ -14,6 +14,7 @@ TOML (``--engines engines.toml``, reloaded on SIGHUP)::
     topic = "kv-events"
     dp_ranks = [0, 1]
     shard = 1
+    public_key = "keys/engine-a.key"   # CURVE: a certificate file (relative to this file) or z85
     groups = { 2 = { kind = "chunked_local_attention", block_size = 16, chunk_size = 8192 } }
 """
 
@@ -31,7 +32,7 @@ from hmakv.kvlog.records import worker_id
 from hmakv.producer.events import GROUP_KINDS, MAX_GROUP_IDX, GroupSpec
 from hmakv.producer.protocol import offset_endpoint_port
 
-_FLAG_OPTIONS = ("replay", "topic", "dp", "shard")
+_FLAG_OPTIONS = ("replay", "topic", "dp", "shard", "key")
 
 
 class ConfigError(ValueError):
@@ -47,6 +48,9 @@ class EngineConfig:
     dp_ranks: tuple[int, ...] | None = None
     groups: Mapping[int, GroupSpec] = field(default_factory=dict)
     shard: int | None = None  # the --shard INDEX that follows this engine; None: by its name
+    # CURVE: the engine's public key (z85). The bridge checks the engine's sockets by it where
+    # it connects, and admits the engine by it (on its topic only) on --bind-sub.
+    public_key: bytes | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -102,13 +106,14 @@ class EngineConfig:
     def workers(self) -> list[WorkerAddress]:
         """One worker per DP rank, with the endpoints vLLM gives that rank."""
         if self.dp_ranks is None:
-            return [WorkerAddress(self.name, None, self.endpoint, self.replay)]
+            return [WorkerAddress(self.name, None, self.endpoint, self.replay, self.public_key)]
         return [
             WorkerAddress(
                 worker_id(self.name, rank),
                 rank,
                 offset_endpoint_port(self.endpoint, rank),
                 offset_endpoint_port(self.replay, rank),
+                self.public_key,
             )
             for rank in self.dp_ranks
         ]
@@ -126,6 +131,7 @@ class WorkerAddress:
     data_parallel_rank: int | None
     endpoint: str | None
     replay: str | None
+    public_key: bytes | None = None  # the engine's CURVE key: its sockets must prove it
 
 
 @dataclass(frozen=True)
@@ -177,19 +183,20 @@ class Shard:
 
 
 def parse_engine_flag(text: str) -> EngineConfig:
-    """``NAME=tcp://host:port[,replay=tcp://...][,topic=T][,dp=N][,shard=I]`` (dp: ranks
-    0..N-1; shard: the ``--shard`` index that follows it)."""
+    """``NAME=tcp://host:port[,replay=tcp://...][,topic=T][,dp=N][,shard=I][,key=K]`` (dp: ranks
+    0..N-1; shard: the ``--shard`` index that follows it; key: its CURVE public key, a
+    certificate file or the z85 key, which has no comma)."""
     name, sep, rest = text.partition("=")
     if not sep or not rest:
         raise ConfigError(f"--engine {text!r}: expected NAME=ENDPOINT[,replay=...,topic=...,dp=N]")
     endpoint, *options = rest.split(",")
     settings: dict[str, str] = {}
     for option in options:
-        key, sep, value = option.partition("=")
-        if not sep or key not in _FLAG_OPTIONS:
+        label, sep, value = option.partition("=")
+        if not sep or label not in _FLAG_OPTIONS:
             raise ConfigError(f"--engine {text!r}: unknown option {option!r}")
-        settings[key] = value
-    dp, shard = settings.get("dp"), settings.get("shard")
+        settings[label] = value
+    dp, shard, key = settings.get("dp"), settings.get("shard"), settings.get("key")
     where = f"--engine {text!r}"
     return EngineConfig(
         name=name,
@@ -198,6 +205,7 @@ def parse_engine_flag(text: str) -> EngineConfig:
         topic=settings.get("topic", ""),
         dp_ranks=None if dp is None else tuple(range(_integer(dp, f"{where}: dp", least=1))),
         shard=None if shard is None else _integer(shard, f"{where}: shard", least=0),
+        public_key=None if key is None else _public_key(key, where, Path.cwd()),
     )
 
 
@@ -249,7 +257,8 @@ def _engine_from_table(path: Path, index: int, entry: object) -> EngineConfig:
     where = f"{path}: engines[{index}]"
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: expected a table")
-    unknown = set(entry) - {"name", "endpoint", "replay", "topic", "dp_ranks", "groups", "shard"}
+    known = {"name", "endpoint", "replay", "topic", "dp_ranks", "groups", "shard", "public_key"}
+    unknown = set(entry) - known
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
     ranks = entry.get("dp_ranks")
@@ -269,7 +278,28 @@ def _engine_from_table(path: Path, index: int, entry: object) -> EngineConfig:
         dp_ranks=None if ranks is None else tuple(ranks),
         groups=_groups(entry.get("groups", {}), where),
         shard=shard,
+        public_key=_optional_key(entry, where, path.parent),
     )
+
+
+def _optional_key(entry: dict[str, object], where: str, base: Path) -> bytes | None:
+    spec = _string(entry, "public_key", where)
+    return None if spec is None else _public_key(spec, f"{where}: public_key", base)
+
+
+def _public_key(spec: str, where: str, base: Path) -> bytes:
+    """A key or a certificate file; a relative path is relative to ``base``.
+
+    ``producer.curve`` is imported here, not above: it needs zmq, which the bridge's pure core
+    (and whatever reads its configuration) does not load otherwise.
+    """
+    from hmakv.producer.curve import CurveError, load_public_key
+
+    path = base / spec
+    try:
+        return load_public_key(str(path) if path.is_file() else spec)
+    except CurveError as error:
+        raise ConfigError(f"{where}: {error}") from error
 
 
 def _string(

@@ -26,6 +26,7 @@ class RejectReason(enum.Enum):
     TOPIC_MISMATCH = "topic_mismatch"
     UNKNOWN_EVENT_TYPE = "unknown_event_type"
     WORKER_UNKNOWN = "worker_unknown"
+    KEY_MISMATCH = "key_mismatch"  # CURVE: the topic is a worker's, the sender's key is not
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[list[list[bytes]]], None]  # the messages one socket had, in order
 _Sub = zmq.Socket[bytes]
+Take = Callable[[_Sub], list[bytes]]  # one message's parts, as ``readable.take_one``
 
 DEFAULT_TICK_S = 0.002
 # Passes of a round, so messages one socket may hand over per round: beyond it the next round
@@ -59,6 +60,7 @@ DEFAULT_ROUND_MESSAGES = 1024
 class _Registration:
     fd: int
     handler: Handler
+    take: Take
 
 
 class Intake:
@@ -82,10 +84,11 @@ class Intake:
         self._signal = asyncio.Event()
         self._loop = asyncio.get_running_loop()
 
-    def add(self, sock: zmq.Socket[bytes], handler: Handler) -> None:
-        """Receive from ``sock`` until ``remove``; the handler gets its messages in order."""
+    def add(self, sock: zmq.Socket[bytes], handler: Handler, take: Take = take_one) -> None:
+        """Receive from ``sock`` until ``remove``; the handler gets its messages, each as
+        ``take`` reads it, in order."""
         fd: int = sock.FD
-        self._sockets[sock] = _Registration(fd, handler)
+        self._sockets[sock] = _Registration(fd, handler, take)
         self._poll_items = [(each, zmq.POLLIN) for each in self._sockets]
         self._watch(fd)
         self._signal.set()  # messages may be waiting already: the FD only tells of new ones
@@ -125,6 +128,7 @@ class Intake:
     def _round(self) -> tuple[bool, bool]:
         """Take what every socket holds; (anything received, some socket has more)."""
         taken: dict[_Sub, list[list[bytes]]] = {}
+        sockets = self._sockets
         polled = self._poll_items
         count = 0
         for _ in range(self._round_limit):
@@ -135,7 +139,7 @@ class Intake:
             polled = []
             for sock in ready:
                 try:
-                    message = take_one(sock)
+                    message = sockets[sock].take(sock)
                 except zmq.Again:  # the poll said ready; should ZMQ disagree, poll it next round
                     continue
                 taken.setdefault(sock, []).append(message)

@@ -97,6 +97,15 @@ class BridgeMetrics:
             "Messages that could not be used, by reason (each is dead-lettered)",
             ("reason",),
         )
+        self.handshakes_refused = counter(
+            "hmakv_bridge_curve_handshakes_refused",
+            "CURVE handshakes on --bind-sub from client keys neither an engine's nor a join key",
+        )
+        self.handshakes_failed = counter(
+            "hmakv_bridge_engine_handshakes_failed",
+            "Handshakes with engines the bridge connects to that failed (CURVE: the peer proved "
+            "no key configured for the engine, or refused the bridge's)",
+        )
         self.dead_letters_dropped = counter(
             "hmakv_bridge_dead_letters_dropped", "Dead letters the full queue could not keep"
         )

@@ -11,6 +11,12 @@ first message, up to ``max_workers``: at the limit, the one silent longest gives
 has been silent for ``RETIRE_SILENT_AFTER_S`` (llm-d replaces pods under new names, and the old
 ones never publish again).
 
+With CURVE (``join_keys`` given) ZMQ tells each message's sender too, by its client key: a
+configured engine's topic is taken only from that engine's key, a worker joins by topic only
+from one of ``join_keys`` and is then taken from that key only, and ``admits`` says which keys
+may connect at all (the ZAP handler asks it). Without CURVE anyone who reaches the socket may
+use any topic, and only the allow-list of topics holds.
+
 The roster decides and its owner acts: it is given the channels by worker and two hooks, one
 that makes a joining worker's channel and one that retires a worker, so its rules hold for any
 channel type and are tested without a socket.
@@ -65,17 +71,28 @@ LLMD_TOPICS = TopicConvention("kv@<pod-id>@<model>", llmd_pod)
 
 @dataclass
 class _Joined:
-    """A worker that joined by topic: its engine instance, and when it last sent something."""
+    """A worker that joined by topic: its engine instance, when it last sent something, and
+    (with CURVE) the key it joined with."""
 
     instance: str
     last_seen: float  # the roster's clock
+    sender: bytes | None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a message has no channel; ``wrong_key``: its topic is known, but not from its sender."""
+
+    detail: str
+    wrong_key: bool = False
 
 
 class BoundRoster(Generic[Channel]):
     """The bound socket's engines and workers; ``route`` names each message's channel.
 
     Without a ``convention`` only configured engines are followed: anyone who can reach the
-    bound socket could otherwise make up a worker and write the index.
+    bound socket could otherwise make up a worker and write the index. ``join_keys`` (None:
+    no CURVE) are the client keys that may join workers by topic.
 
     ``channels`` is the owner's map of every worker's channel (configured engines' included, so
     that a topic-named worker never takes a configured one's id); ``join`` makes, registers and
@@ -91,6 +108,7 @@ class BoundRoster(Generic[Channel]):
         *,
         max_workers: int,
         convention: TopicConvention | None = None,
+        join_keys: frozenset[bytes] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._channels = channels
@@ -98,13 +116,16 @@ class BoundRoster(Generic[Channel]):
         self._retire = retire
         self._max_workers = max_workers
         self._convention = convention
+        self._join_keys = join_keys
         self._clock = clock
         self._by_topic: dict[bytes, EngineConfig] = {}
         self._joined: dict[str, _Joined] = {}
+        self._admitted = join_keys or frozenset()  # replaced whole: the ZAP thread reads it
 
     def add(self, engine: EngineConfig) -> None:
         """A configured engine that connects to the bound socket: known by its topic."""
         self._by_topic[engine.topic.encode()] = engine
+        self._count_keys()
 
     def remove(self, engine: EngineConfig) -> None:
         """The engine is followed no more. A connected engine may share a bound one's topic: its
@@ -113,51 +134,78 @@ class BoundRoster(Generic[Channel]):
         known = self._by_topic.get(topic)
         if known is not None and known.name == engine.name:
             del self._by_topic[topic]
+            self._count_keys()
 
-    def route(self, topic: bytes, rank: int | None) -> Channel | str:
-        """The channel of a message on the bound socket, or why it has none."""
+    def admits(self, key: bytes) -> bool:
+        """Whether a client with this CURVE key (z85) may connect: a configured engine's, or one
+        that may join by topic. Safe to call from the ZAP handler's thread."""
+        return key in self._admitted
+
+    def _count_keys(self) -> None:
+        keys = (engine.public_key for engine in self._by_topic.values())
+        configured = frozenset(key for key in keys if key is not None)
+        self._admitted = configured.union(self._join_keys or ())
+
+    def route(self, topic: bytes, rank: int | None, sender: bytes | None) -> Channel | Refusal:
+        """The channel of a message on the bound socket, or why it has none; ``sender`` is its
+        client key (None without CURVE)."""
         engine = self._by_topic.get(topic)
         if engine is not None:
+            if self._join_keys is not None and sender != engine.public_key:
+                return self._wrong_key(f"engine {engine.name!r}", topic, sender)
             return self._configured(engine, rank)
         if self._convention is None:
-            return f"topic {topic!r} is no configured engine's (others join only --join-by-topic)"
+            detail = f"topic {topic!r} is no configured engine's (others join only --join-by-topic)"
+            return Refusal(detail)
         instance = self._convention.instance(topic)
         if instance is None:
             pattern = self._convention.pattern
-            return f"topic {topic!r} is no configured engine's and not {pattern}"
-        return self._named(instance, rank, topic)
+            return Refusal(f"topic {topic!r} is no configured engine's and not {pattern}")
+        return self._named(instance, rank, topic, sender)
 
-    def sole_channel(self, topic: bytes) -> Channel | None:
-        """The channel of a configured engine with one worker, if the topic is its. A message
-        that does not decode names no DP rank; an instance's topic may stand for several ranks,
-        and a frame nobody can read must not make a worker join."""
+    def sole_channel(self, topic: bytes, sender: bytes | None) -> Channel | None:
+        """The channel of a configured engine with one worker, if the topic (and, with CURVE,
+        the sender) is its. A message that does not decode names no DP rank; an instance's topic
+        may stand for several ranks, and a frame nobody can read must not make a worker join."""
         engine = self._by_topic.get(topic)
-        if engine is None:
+        if engine is None or (self._join_keys is not None and sender != engine.public_key):
             return None
         workers = engine.workers()
         return self._channels.get(workers[0].worker) if len(workers) == 1 else None
 
-    def _configured(self, engine: EngineConfig, rank: int | None) -> Channel | str:
+    @staticmethod
+    def _wrong_key(owner: str, topic: bytes, sender: bytes | None) -> Refusal:
+        key = (sender or b"").decode("ascii", "replace")
+        return Refusal(f"topic {topic!r} is {owner}'s, sent by another key ({key})", True)
+
+    def _configured(self, engine: EngineConfig, rank: int | None) -> Channel | Refusal:
         address = engine.worker_for_rank(rank)
         if address is None:
-            return f"engine {engine.name!r} has no DP rank {rank} (see its dp_ranks)"
+            return Refusal(f"engine {engine.name!r} has no DP rank {rank} (see its dp_ranks)")
         return self._channels[address.worker]
 
-    def _named(self, instance: str, rank: int | None, topic: bytes) -> Channel | str:
+    def _named(
+        self, instance: str, rank: int | None, topic: bytes, sender: bytes | None
+    ) -> Channel | Refusal:
         """The channel of an instance's worker, joining it if it is new and there is room."""
         worker = instance if rank in (None, 0) else worker_id(instance, rank)
         channel = self._channels.get(worker)
         joined = self._joined.get(worker)
         if channel is not None and joined is not None:
             if joined.instance != instance:  # pod "p" at rank 1 and pod "p-dp1" are both "p-dp1"
-                return f"worker {worker!r} is pod {joined.instance!r}'s, not pod {instance!r}'s"
+                detail = f"worker {worker!r} is pod {joined.instance!r}'s, not pod {instance!r}'s"
+                return Refusal(detail)
+            if joined.sender != sender:
+                return self._wrong_key(f"worker {worker!r}", topic, sender)
             joined.last_seen = self._clock()
             return channel
         if channel is not None:
-            return f"worker {worker!r} is a configured engine with another topic"
+            return Refusal(f"worker {worker!r} is a configured engine with another topic")
+        if self._join_keys is not None and sender not in self._join_keys:
+            return self._wrong_key("no configured engine", topic, sender)
         if len(self._joined) >= self._max_workers and not self._retire_silent():
-            return f"more than {self._max_workers} workers named by topic (--max-workers)"
-        self._joined[worker] = _Joined(instance, self._clock())
+            return Refusal(f"more than {self._max_workers} workers named by topic (--max-workers)")
+        self._joined[worker] = _Joined(instance, self._clock(), sender)
         channel = self._join(WorkerAddress(worker, rank, None, None))
         log.info("worker %r joined through topic %r", worker, topic)
         return channel

@@ -48,6 +48,7 @@ from hmakv.kvlog.kafka_client import (
     start_producer,
 )
 from hmakv.kvlog.records import DEFAULT_TOPIC_PREFIX, RETIRED, Topics, WorkerState
+from hmakv.producer.curve import CurveGate, KeyPair
 from hmakv.producer.events import DEFAULT_MAX_PAYLOAD_BYTES
 from hmakv.producer.protocol import offset_endpoint_port
 
@@ -88,6 +89,10 @@ class BridgeSettings:
     kafka_retry: float = 2.0
     client_id: str = "hmakv-bridge"
     security: KafkaSecurity | None = field(default=None, repr=False)
+    # CURVE (producer.curve): the bridge's key pair, every engine's public key in its config,
+    # and the client keys that may join workers by topic on --bind-sub.
+    curve_keys: KeyPair | None = field(default=None, repr=False)
+    join_keys: frozenset[bytes] = frozenset()
 
     @property
     def topics(self) -> Topics:
@@ -120,6 +125,7 @@ class BridgeService:
             max_payload_bytes=settings.max_payload_bytes,
             replay_timeout=settings.replay_timeout,
             rcvhwm=settings.rcvhwm,
+            curve_keys=settings.curve_keys,
         )
         self._replays = asyncio.Semaphore(settings.max_replays)
         self._channels: dict[str, WorkerChannel] = {}
@@ -131,7 +137,9 @@ class BridgeService:
             self._retire_joined,
             max_workers=settings.max_workers,
             convention=LLMD_TOPICS if settings.join_by_topic else None,
+            join_keys=settings.join_keys if settings.curve_keys is not None else None,
         )
+        self._gate: CurveGate | None = None
         # The workers topic as read at start (and on reload), with the workers retired since:
         # where a worker this bridge does not follow yet would resume.
         self._known: dict[str, WorkerState] = {}
@@ -190,6 +198,9 @@ class BridgeService:
             self._add_engine(engine, resumed)
         if self.settings.bind_sub is not None:
             endpoints = bound_endpoints(self.settings)
+            if self.settings.curve_keys is not None:
+                refused = self.metrics.handshakes_refused
+                self._gate = CurveGate(self._ctx, self._roster.admits, refused.inc)
             bound = BoundSource(endpoints, self._roster, self._deps())
             self._bound = (bound, asyncio.create_task(bound.run()))
         self._count_sources()
@@ -239,6 +250,8 @@ class BridgeService:
             await asyncio.gather(self._probe, return_exceptions=True)
         if self._producer is not None:
             await self._close_producer(self._producer)
+        if self._gate is not None:
+            self._gate.stop()
         self._ctx.destroy(linger=0)
         if self._runner is not None:
             await self._runner.cleanup()
@@ -568,6 +581,25 @@ def check_topology(settings: BridgeSettings, engines: list[EngineConfig]) -> Non
                 f"bind: give --bind-sub-ranks {top + 1}"
             )
     bound_endpoints(settings)  # each rank's port is one ZMQ can bind
+    _check_curve(settings, engines)
+
+
+def _check_curve(settings: BridgeSettings, engines: list[EngineConfig]) -> None:
+    """CURVE is all or nothing: one bound socket serves every engine that connects to it, and a
+    key the bridge holds for no engine would be a guard that guards nothing."""
+    curve = settings.curve_keys is not None
+    for engine in engines:
+        if curve and engine.public_key is None:
+            raise ConfigError(
+                f"engine {engine.name!r} has no public_key: with --curve-secret-key every "
+                "engine's key is needed, to check it by"
+            )
+        if not curve and engine.public_key is not None:
+            raise ConfigError(
+                f"engine {engine.name!r} has a public_key, but there is no --curve-secret-key"
+            )
+    if settings.join_keys and not (curve and settings.join_by_topic):
+        raise ConfigError("--join-keys needs --curve-secret-key and --join-by-topic")
 
 
 def bound_endpoints(settings: BridgeSettings) -> list[str]:

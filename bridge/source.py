@@ -29,13 +29,22 @@ from hmakv.bridge.deadletter import DeadLetterOffice
 from hmakv.bridge.frames import Rejected, RejectReason, decode_payload, split_live
 from hmakv.bridge.intake import Intake
 from hmakv.bridge.metrics import BridgeMetrics
-from hmakv.bridge.readable import Readable
-from hmakv.bridge.roster import BoundRoster
+from hmakv.bridge.readable import Readable, take_one, take_one_with_sender
+from hmakv.bridge.roster import BoundRoster, Refusal
+from hmakv.kvlog.logs import RateLimitedLog
+from hmakv.producer.curve import connect_to, serve
 from hmakv.producer.protocol import SeqFrames
 
 log = logging.getLogger(__name__)
+incidents = RateLimitedLog(log)
 
 _SUBSCRIPTION_DELAY_S = 0.2
+_HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_WATCHED_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILURES
 
 
 class SourceState(enum.Enum):
@@ -74,9 +83,10 @@ class _Subscriber(ABC):
             self.state = state
             self._on_state()
 
-    async def _receive_forever(self, sub: zmq.Socket[bytes]) -> None:
-        """The intake receives from ``sub`` for as long as this source runs."""
-        self._intake.add(sub, self._on_messages)
+    async def _receive_forever(self, sub: zmq.Socket[bytes], *, signed: bool = False) -> None:
+        """The intake receives from ``sub`` for as long as this source runs; ``signed``: each
+        message comes with its sender's CURVE key first (``take_one_with_sender``)."""
+        self._intake.add(sub, self._on_messages, take_one_with_sender if signed else take_one)
         try:
             await asyncio.get_running_loop().create_future()  # until cancelled
         finally:
@@ -124,11 +134,15 @@ class ConnectedSource(_Subscriber):
         self._topic = topic.encode()
 
     async def run(self) -> None:
-        endpoint = self.channel.address.endpoint
-        assert endpoint is not None
+        address = self.channel.address
+        assert address.endpoint is not None
+        endpoint = address.endpoint
         sub = self._socket()
+        keys = self._settings.curve_keys
+        if keys is not None and address.public_key is not None:  # check_topology: both or none
+            connect_to(sub, keys, address.public_key)
         # The monitor first: on loopback the connection is made before connect() returns.
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(_WATCHED_EVENTS)
         if not self._attach(sub, connect=endpoint):
             monitor.close(linger=0)
             return
@@ -147,6 +161,8 @@ class ConnectedSource(_Subscriber):
     async def _watch(self, monitor: zmq.Socket[bytes]) -> None:
         """Track the connection; after each (re)connect, catch up on what it missed.
 
+        Connected means the handshake succeeded: with CURVE a TCP connection to someone without
+        the engine's key pair (or who refuses the bridge's key) fails there, again at each retry.
         The catch-up waits a moment: the subscription reaches the engine one round trip after
         the connection, and a replay served before it would miss what is sent in between.
         """
@@ -154,15 +170,32 @@ class ConnectedSource(_Subscriber):
         try:
             while True:
                 await readable.wait()
-                event = parse_monitor_message(monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_CONNECTED:
+                event = parse_monitor_message(monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._set_state(SourceState.CONNECTED)
                     await asyncio.sleep(_SUBSCRIPTION_DELAY_S)
                     self.channel.on_connected()
-                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                elif event == zmq.EVENT_DISCONNECTED:
                     self._set_state(SourceState.CONNECTING)
+                else:
+                    self._handshake_failed(event)
         finally:
             readable.close()
+
+    def _handshake_failed(self, event: int) -> None:
+        self._metrics.handshakes_failed.inc()
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            cause = "the engine refused the bridge's key"
+        else:
+            cause = "the peer proved no key the bridge holds for this engine, or spoke no CURVE"
+        incidents.warning(
+            f"handshake:{self.name}",
+            "%s: handshake with %s failed: %s",
+            self.name,
+            self.channel.address.endpoint,
+            cause,
+            worker=self.name,
+        )
 
     def _flush_counts(self) -> None:
         self.channel.flush_counts()
@@ -197,12 +230,15 @@ class BoundSource(_Subscriber):
 
     async def run(self) -> None:
         sub = self._socket()
+        keys = self._settings.curve_keys
+        if keys is not None:  # the service runs the ZAP handler that admits the clients
+            serve(sub, keys)
         if not all(self._attach(sub, bind=endpoint) for endpoint in self.endpoints):
             return
         sub.subscribe(b"")
         self._set_state(SourceState.CONNECTED)
         try:
-            await self._receive_forever(sub)
+            await self._receive_forever(sub, signed=keys is not None)
         finally:
             sub.close(linger=0)
 
@@ -212,6 +248,9 @@ class BoundSource(_Subscriber):
         self._touched.clear()
 
     def _on_message(self, frames: list[bytes]) -> None:
+        sender = None
+        if self._settings.curve_keys is not None:
+            sender, frames = frames[0], frames[1:]
         message = split_live(frames, None)
         if isinstance(message, Rejected):
             self._office.reject(self.name, message)
@@ -219,15 +258,16 @@ class BoundSource(_Subscriber):
         decoded = decode_payload(message, frames, self._settings.max_payload_bytes)
         if isinstance(decoded, Rejected):
             self._office.reject(_topic_name(message), decoded)
-            sole = self._roster.sole_channel(message.topic)
+            sole = self._roster.sole_channel(message.topic, sender)
             if sole is not None:  # its loss now, not when (if ever) its next batch comes
                 self._touched.add(sole)
                 sole.on_undecodable(message.seq)
             return
-        channel = self._roster.route(message.topic, decoded.batch.data_parallel_rank)
-        if isinstance(channel, str):
-            unknown = Rejected(RejectReason.WORKER_UNKNOWN, channel, frames, message.seq)
-            self._office.reject(_topic_name(message), unknown)
+        channel = self._roster.route(message.topic, decoded.batch.data_parallel_rank, sender)
+        if isinstance(channel, Refusal):
+            reason = RejectReason.KEY_MISMATCH if channel.wrong_key else RejectReason.WORKER_UNKNOWN
+            refused = Rejected(reason, channel.detail, frames, message.seq)
+            self._office.reject(_topic_name(message), refused)
             return
         self._touched.add(channel)
         channel.on_live(message.seq, decoded, frames)

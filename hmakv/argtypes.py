@@ -14,6 +14,13 @@ import math
 
 from hmakv.kvlog.kafka_client import SECURITY_SETTINGS, KafkaSecurity
 from hmakv.kvlog.records import DEFAULT_TOPIC_PREFIX
+from hmakv.producer.curve import (
+    CurveError,
+    KeyPair,
+    load_key_pair,
+    load_public_key,
+    load_public_keys,
+)
 
 
 def positive_int(text: str) -> int:
@@ -62,6 +69,29 @@ def bootstrap_servers(text: str) -> str:
         if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
             raise ValueError(text)
     return text
+
+
+def curve_key_pair(text: str) -> KeyPair:
+    """A ``.key_secret`` file; the problem in its words (argparse's "invalid value" would hide
+    it)."""
+    try:
+        return load_key_pair(text)
+    except CurveError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def curve_public_key(text: str) -> bytes:
+    try:
+        return load_public_key(text)
+    except CurveError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def curve_public_keys(text: str) -> frozenset[bytes]:
+    try:
+        return load_public_keys(text)
+    except CurveError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 positive_int.__name__ = "positive integer"

@@ -55,6 +55,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
+from hmakv.producer.curve import CurveGate, CurveSettings, connect_to, serve
 from hmakv.producer.events import AllBlocksCleared, KVEvent, KVEventBatch
 from hmakv.producer.protocol import (
     END_MARKER,
@@ -118,6 +119,8 @@ class PublisherStats:
     snapshot_events_unencodable: int = 0
     """Snapshot events left out because msgspec cannot encode them (the snapshot goes out without
     them: consumers then know less than the engine holds, never more)."""
+    clients_refused: int = 0
+    """CURVE handshakes refused on the sockets this publisher serves: keys it does not admit."""
 
 
 class _Handoff:
@@ -577,10 +580,14 @@ class ZmqEventPublisher:
     requests are ignored, so a client that floods the ROUTER costs bounded work),
     ``replay_hwm`` (ROUTER send high-water mark), ``bind`` (bind the PUB endpoint even where
     it names a host, such as ``tcp://127.0.0.1:5557``, to serve loopback or one interface instead
-    of all; otherwise vLLM's rule, ``protocol.should_bind``), ``flush_interval_ms`` (how
-    often an idle publisher thread looks for batches and requests), ``shutdown_timeout`` and
-    ``context`` (defaults to a private one, terminated on shutdown so queued batches are flushed;
-    pass a shared one to reach ``inproc://`` endpoints from other sockets).
+    of all; otherwise vLLM's rule, ``protocol.should_bind``), ``curve`` (CURVE on both
+    sockets, see ``producer.curve``: the publisher serves what it binds, admitting
+    ``curve.clients``, and a PUB endpoint it connects to is a server with ``curve.server_key``;
+    its ZAP handler runs on the publisher's context, which allows one such publisher per
+    context), ``flush_interval_ms`` (how often an idle publisher thread looks for batches and
+    requests), ``shutdown_timeout`` and ``context`` (defaults to a private one, terminated on
+    shutdown so queued batches are flushed; pass a shared one to reach ``inproc://`` endpoints
+    from other sockets).
     """
 
     def __init__(
@@ -600,6 +607,7 @@ class ZmqEventPublisher:
         max_replies: int = 64,
         replay_hwm: int = 1000,
         bind: bool = False,
+        curve: CurveSettings | None = None,
         flush_interval_ms: int = 1,
         shutdown_timeout: float = 1.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
@@ -616,11 +624,19 @@ class ZmqEventPublisher:
         self._max_queue_size = max_queue_size
         self._snapshot_provider = snapshot_provider
         self._shutdown_timeout = shutdown_timeout
-        self._owns_context = context is None
-        self._ctx = zmq.Context() if context is None else context
         self._endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
         self._replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
-        pub, router = self._open_sockets(hwm, replay_hwm, bind or should_bind(self.endpoint))
+        binds = bind or should_bind(self.endpoint)
+        if curve is not None and not binds and curve.server_key is None:
+            raise ValueError(
+                f"the publisher connects to {self.endpoint}: CURVE needs that server's public "
+                "key (server_key)"
+            )
+        self._curve = curve
+        self._gate: CurveGate | None = None
+        self._owns_context = context is None
+        self._ctx = zmq.Context() if context is None else context
+        pub, router = self._open_sockets(hwm, replay_hwm, binds)
         self._handoff = _Handoff()
         self._loop = _PublisherLoop(
             self._handoff,
@@ -693,6 +709,7 @@ class ZmqEventPublisher:
             self._loop.stats,
             published=self._next_seq,
             dropped_queue_full=self._dropped_queue_full,
+            clients_refused=0 if self._gate is None else self._gate.refused,
         )
 
     def shutdown(self) -> None:
@@ -716,6 +733,8 @@ class ZmqEventPublisher:
         if unsent:
             logger.warning("publisher shut down with %d batches unsent (timeout)", unsent)
         os.close(self._handoff.wake_fd)
+        if self._gate is not None:
+            self._gate.stop()
         if self._owns_context:
             self._ctx.term()
 
@@ -747,9 +766,13 @@ class ZmqEventPublisher:
         close what was opened, since no shutdown() will follow."""
         opened: list[zmq.Socket[bytes]] = []
         try:
+            if self._curve is not None and (binds or self._replay_endpoint is not None):
+                clients = self._curve.clients
+                self._gate = CurveGate(self._ctx, lambda key: clients is None or key in clients)
             pub = self._ctx.socket(zmq.PUB)
             opened.append(pub)
             pub.set_hwm(hwm)
+            self._secure(pub, serves=binds)
             if binds:
                 pub.bind(self.endpoint)
             else:
@@ -761,11 +784,24 @@ class ZmqEventPublisher:
             # Refuse instead of silently dropping replies to a full or departed client.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.SNDHWM, replay_hwm)
+            self._secure(router, serves=True)
             router.bind(self._replay_endpoint)
             return pub, router
         except zmq.ZMQError:
             for sock in opened:
                 sock.close(linger=0)
+            if self._gate is not None:
+                self._gate.stop()
             if self._owns_context:
                 self._ctx.term()
             raise
+
+    def _secure(self, sock: zmq.Socket[bytes], *, serves: bool) -> None:
+        curve = self._curve
+        if curve is None:
+            return
+        if serves:
+            serve(sock, curve.keys)
+        else:
+            assert curve.server_key is not None  # the constructor checked
+            connect_to(sock, curve.keys, curve.server_key)

@@ -23,6 +23,7 @@ import sys
 from collections import Counter
 from typing import Any
 
+from hmakv.producer.curve import CurveSettings, load_key_pair, load_public_key, load_public_keys
 from hmakv.producer.events import BlockStored, ExternalBlockHash, KVEvent
 from hmakv.producer.publisher import ZmqEventPublisher
 
@@ -32,6 +33,13 @@ OPT_IN_ENV = "HMAKV_VLLM_PUBLISHER"
 BIND_ENV = "HMAKV_VLLM_BIND"
 """``1``: bind the endpoint even where it names a host (``tcp://127.0.0.1:5557``), which vLLM's
 rule would connect: the one way to publish on loopback only, since vLLM's config has no flag."""
+CURVE_SECRET_KEY_ENV = "HMAKV_VLLM_CURVE_SECRET_KEY"
+"""CURVE (``producer.curve``): the engine's ``.key_secret`` file. With it, the two below:"""
+CURVE_SERVER_KEY_ENV = "HMAKV_VLLM_CURVE_SERVER_KEY"
+"""the public key (file or z85) of the bridge a connecting endpoint reaches (its --bind-sub);"""
+CURVE_CLIENTS_ENV = "HMAKV_VLLM_CURVE_CLIENTS"
+"""the client keys (a directory of ``*.key`` files, a file or a key) that may read what the
+engine binds; unset, any client that knows the engine's public key may."""
 REPLACED_PUBLISHER = "zmq"
 VLLM_KV_EVENTS_MODULE = "vllm.distributed.kv_events"
 VLLM_SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
@@ -153,6 +161,7 @@ def create_publisher(
         topic,
         snapshot_provider=lambda: publisher.vllm_snapshot(),
         bind=os.environ.get(BIND_ENV, "").strip() == "1",
+        curve=curve_from_environment(),
     )
     config_type = getattr(sys.modules.get(VLLM_KV_EVENTS_MODULE), "KVEventsConfig", None)
     if config_type is not None:
@@ -167,6 +176,25 @@ def create_publisher(
             topic=topic,
         )
     return publisher
+
+
+def curve_from_environment() -> CurveSettings | None:
+    """CURVE as the ``HMAKV_VLLM_CURVE_*`` variables set it; a bad key raises ``CurveError``, so
+    the engine does not start publishing in the clear when it was meant not to."""
+    secret = os.environ.get(CURVE_SECRET_KEY_ENV, "").strip()
+    server = os.environ.get(CURVE_SERVER_KEY_ENV, "").strip()
+    clients = os.environ.get(CURVE_CLIENTS_ENV, "").strip()
+    if not secret:
+        if server or clients:
+            raise ValueError(
+                f"{CURVE_SERVER_KEY_ENV} and {CURVE_CLIENTS_ENV} need {CURVE_SECRET_KEY_ENV}"
+            )
+        return None
+    return CurveSettings(
+        load_key_pair(secret),
+        load_public_key(server) if server else None,
+        load_public_keys(clients) if clients else None,
+    )
 
 
 def register() -> None:

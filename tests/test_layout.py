@@ -15,9 +15,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The repository's top-level packages; each is installed as hmakv.<name> (hmakv/<name> links it).
 LINKED = ("producer", "kvlog", "bridge", "consumers")
-# What a service may know of the producer: the payloads, the ZMQ transport, the block hashes.
+# What a service may know of the producer: the payloads, the ZMQ transport and its CURVE keys,
+# the block hashes.
 CONTRACTS = frozenset(
-    {"hmakv.producer.events", "hmakv.producer.protocol", "hmakv.producer.hashing"}
+    {
+        "hmakv.producer.events",
+        "hmakv.producer.protocol",
+        "hmakv.producer.curve",
+        "hmakv.producer.hashing",
+    }
 )
 # Each area and the areas it may import (its own always); the tooling of hmakv/ sits on top.
 ALLOWED: dict[str, frozenset[str]] = {

@@ -20,6 +20,8 @@ from hmakv.argtypes import (
     add_kafka_options,
     add_listen,
     add_seconds,
+    curve_key_pair,
+    curve_public_keys,
     kafka_security,
     non_negative_float,
     positive_int,
@@ -68,6 +70,7 @@ engines file (TOML):
   topic = "kv-events"                   # the engine's ZMQ topic (default "")
   dp_ranks = [0, 1]                     # optional: one worker per rank, ports offset by rank
   shard = 1                             # optional: the --shard INDEX that follows it
+  public_key = "keys/engine-a.key"      # with --curve-secret-key: its certificate, or z85 key
   groups = { 2 = { kind = "chunked_local_attention", block_size = 16, chunk_size = 8192 } }
 
 endpoints: /healthz (alive), /readyz (Kafka reachable and every source connected or failed),
@@ -77,7 +80,8 @@ examples:
   hmakv bridge --kafka 127.0.0.1:9092 --engine engine-a=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5560
   hmakv bridge --engines engines.toml --listen 0.0.0.0:9400
   hmakv bridge --engines engines.toml --shard 1/2    # half the fleet; another bridge runs 0/2
-  hmakv bridge --bind-sub 'tcp://*:5557' --kafka kafka:9092"""
+  hmakv bridge --bind-sub 'tcp://*:5557' --kafka kafka:9092
+  hmakv keys generate bridge --dir keys   # then: --curve-secret-key keys/bridge.key_secret"""
 
 
 LOG_FORMATS = ("text", "json")
@@ -107,8 +111,23 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         action="extend",
         type=_engine_flags,
         default=[],
-        metavar="NAME=ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N][,shard=I]",
-        help="an engine to connect to; repeatable, or several separated by ';'",
+        metavar="NAME=ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N][,shard=I][,key=K]",
+        help="an engine to connect to; repeatable, or several separated by ';' (key: its CURVE "
+        "public key, a certificate file or the z85 key)",
+    )
+    add(
+        "--curve-secret-key",
+        type=curve_key_pair,
+        metavar="FILE",
+        help="CURVE: the bridge's .key_secret file (hmakv keys generate); every engine then "
+        "needs its public key, and only it can publish on its topic on --bind-sub",
+    )
+    add(
+        "--join-keys",
+        type=curve_public_keys,
+        metavar="DIR|FILE|KEY",
+        help="CURVE: public keys (a directory of *.key files) that may join workers with "
+        "--join-by-topic; each worker is then taken from its key only",
     )
     add(
         "--bind-sub",
@@ -256,6 +275,8 @@ def _settings(args: argparse.Namespace) -> BridgeSettings:
         state_interval=args.state_interval,
         shutdown_timeout=args.shutdown_timeout,
         security=kafka_security(args),
+        curve_keys=args.curve_secret_key,
+        join_keys=args.join_keys or frozenset(),
     )
 
 

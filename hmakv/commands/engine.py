@@ -21,11 +21,15 @@ import zmq
 
 from hmakv.argtypes import (
     add_seconds,
+    curve_key_pair,
+    curve_public_key,
+    curve_public_keys,
     host_port,
     non_negative_int,
     positive_float,
     positive_int,
 )
+from hmakv.producer.curve import CurveSettings
 from hmakv.producer.engine.profiles import PROFILES
 from hmakv.producer.engine.workloads import WORKLOADS
 
@@ -115,6 +119,25 @@ def _add_publisher_options(parser: argparse.ArgumentParser) -> None:
         default="0",
         help="data-parallel rank: offsets tcp ports and stamps batches, as vLLM does",
     )
+    add(
+        "--curve-secret-key",
+        type=curve_key_pair,
+        metavar="FILE",
+        help="CURVE on both sockets: this engine's .key_secret file (hmakv keys generate)",
+    )
+    add(
+        "--curve-server-key",
+        type=curve_public_key,
+        metavar="FILE|KEY",
+        help="CURVE: the public key of the bridge an --endpoint that connects reaches",
+    )
+    add(
+        "--curve-clients",
+        type=curve_public_keys,
+        metavar="DIR|FILE|KEY",
+        help="CURVE: the only client keys (the bridges') that may read what this engine "
+        "binds; without it any client that knows the engine's public key may",
+    )
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -152,8 +175,21 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _curve(args: argparse.Namespace) -> CurveSettings | None:
+    if args.curve_secret_key is None:
+        if args.curve_server_key is not None or args.curve_clients is not None:
+            raise ValueError("--curve-server-key and --curve-clients need --curve-secret-key")
+        return None
+    return CurveSettings(args.curve_secret_key, args.curve_server_key, args.curve_clients)
+
+
 def run(args: argparse.Namespace) -> int:
     from hmakv.producer.engine.runner import Engine, EngineConfig  # the engine only when it runs
+
+    try:
+        curve = _curve(args)
+    except ValueError as error:
+        return _fail(str(error), EXIT_BAD_USAGE)
 
     config = EngineConfig(
         profile=args.profile,
@@ -163,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         endpoint=args.endpoint,
         replay_endpoint=args.replay_endpoint,
         bind=args.bind,
+        curve=curve,
         topic=args.topic,
         worker_name=args.worker_name,
         dp_rank=args.dp_rank,

@@ -24,11 +24,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
 
+from hmakv.producer.curve import CurveSettings
 from hmakv.producer.engine.api import (
     TOKEN_ID_LIMIT,
     AdmissionResult,
@@ -77,6 +78,7 @@ class EngineConfig:
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
     bind: bool = False  # bind ``endpoint`` even where it names a host (vLLM's rule otherwise)
+    curve: CurveSettings | None = field(default=None, repr=False)  # see producer.curve
     topic: str = ""
     worker_name: str = "engine"
     dp_rank: int = 0
@@ -215,6 +217,7 @@ class Engine:
             topic=config.topic,
             snapshot_provider=self._resident_events,
             bind=config.bind,
+            curve=config.curve,
         )
         try:
             recorder = EventRecorder(

@@ -35,6 +35,7 @@ from hmakv.kvlog.records import (
     decode_event_record,
     decode_worker_state,
 )
+from hmakv.producer.curve import CurveSettings
 from hmakv.producer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from hmakv.producer.publisher import ZmqEventPublisher
 
@@ -99,8 +100,10 @@ class EngineThread:
         topic: str = TOPIC,
         replay: bool = True,
         make_batch: Callable[[int, int], KVEventBatch] = step_batch,
+        curve: CurveSettings | None = None,
     ) -> None:
         self.name = name
+        self.curve = curve
         self._make_batch = make_batch  # (seq, rank) -> the step's batch
         self.rank = rank
         self.topic = topic
@@ -120,7 +123,9 @@ class EngineThread:
     @property
     def config(self) -> EngineConfig:
         replay = None if self.replay_port is None else f"tcp://127.0.0.1:{self.replay_port}"
-        return EngineConfig(self.name, f"tcp://127.0.0.1:{self.pub_port}", replay, topic=self.topic)
+        key = None if self.curve is None else self.curve.keys.public
+        endpoint = f"tcp://127.0.0.1:{self.pub_port}"
+        return EngineConfig(self.name, endpoint, replay, topic=self.topic, public_key=key)
 
     @property
     def last_seq(self) -> int:
@@ -151,6 +156,7 @@ class EngineThread:
             buffer_steps=self._buffer_steps,
             topic=self.topic,
             snapshot_provider=self._snapshot if self._snapshots else None,
+            curve=self.curve,
         )
         self.published[0] = KVEventBatch(0.0, [AllBlocksCleared()], self.rank)
         self._idle.set()

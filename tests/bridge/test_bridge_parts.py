@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import zmq.auth
 
 from hmakv.bridge.board import BoardEntry, WorkerBoard
 from hmakv.bridge.catalog import GroupCatalog
@@ -37,6 +38,7 @@ from hmakv.consumers.index import KVIndex
 from hmakv.kvlog import records
 from hmakv.kvlog.logs import JsonFormatter, RateLimitedLog
 from hmakv.kvlog.records import EventRecord, Topics
+from hmakv.producer.curve import load_key_pair
 from hmakv.producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch, encode
 from hmakv.producer.protocol import END_SEQ_FRAME, ReplyEnd, SeqFrames, encode_seq
 
@@ -505,3 +507,34 @@ def test_a_bound_engines_dp_ranks_need_their_ports_bound() -> None:
     ipc = BridgeSettings(kafka="k:9092", bind_sub="ipc:///tmp/kv", bind_sub_ranks=2)
     with pytest.raises(ConfigError, match="cannot offset"):
         check_topology(ipc, [])
+
+
+def test_engine_keys_come_from_flags_and_files_and_curve_is_all_or_nothing(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "keys").mkdir()
+    public_file, secret_file = zmq.auth.create_certificates(tmp_path / "keys", "a")
+    pair = load_key_pair(secret_file)
+    by_file = parse_engine_flag(f"a=tcp://h:1,key={public_file}")
+    by_z85 = parse_engine_flag(f"a=tcp://h:1,key={pair.public.decode()}")
+    assert by_file.public_key == by_z85.public_key == pair.public
+    engines_file = tmp_path / "engines.toml"
+    engines_file.write_text('[[engines]]\nname = "a"\ntopic = "kv-a"\npublic_key = "keys/a.key"\n')
+    assert load_engines_file(engines_file)[0].public_key == pair.public  # relative to the file
+    with pytest.raises(ConfigError, match=r"engines\[0\]: public_key: .*neither"):
+        engines_file.write_text('[[engines]]\nname = "a"\npublic_key = "keys/b.key"\n')
+        load_engines_file(engines_file)
+    with pytest.raises(ConfigError, match=r"--engine .*z85"):
+        parse_engine_flag("a=tcp://h:1,key=" + "~" * 40)
+
+    curve = BridgeSettings(kafka="k:9092", curve_keys=pair)
+    check_topology(curve, [by_file])
+    with pytest.raises(ConfigError, match="has no public_key"):
+        check_topology(curve, [parse_engine_flag("a=tcp://h:1")])
+    with pytest.raises(ConfigError, match="there is no --curve-secret-key"):
+        check_topology(BridgeSettings(kafka="k:9092"), [by_file])
+    joining = dataclasses.replace(curve, join_keys=frozenset({pair.public}))
+    with pytest.raises(ConfigError, match="--join-keys needs"):
+        check_topology(joining, [by_file])
+    check_topology(dataclasses.replace(joining, join_by_topic=True), [by_file])
+    assert pair.secret.decode() not in repr(curve)

@@ -13,6 +13,7 @@ from hmakv.bridge.roster import (
     LLMD_TOPICS,
     RETIRE_SILENT_AFTER_S,
     BoundRoster,
+    Refusal,
     TopicConvention,
 )
 
@@ -21,7 +22,10 @@ class Owner:
     """What the service does for the roster: channels by worker, joins and retirements."""
 
     def __init__(
-        self, max_workers: int = 8, convention: TopicConvention | None = LLMD_TOPICS
+        self,
+        max_workers: int = 8,
+        convention: TopicConvention | None = LLMD_TOPICS,
+        join_keys: frozenset[bytes] | None = None,
     ) -> None:
         self.now = 0.0
         self.channels: dict[str, str] = {}
@@ -33,8 +37,14 @@ class Owner:
             self.retire,
             max_workers=max_workers,
             convention=convention,
+            join_keys=join_keys,
             clock=lambda: self.now,
         )
+
+    def route(self, topic: bytes, rank: int | None, sender: bytes | None = None) -> str:
+        """The worker named, or why none is."""
+        routed = self.roster.route(topic, rank, sender)
+        return routed.detail if isinstance(routed, Refusal) else routed
 
     def join(self, address: WorkerAddress) -> str:
         self.joined.append(address)
@@ -51,8 +61,10 @@ class Owner:
             self.channels[address.worker] = address.worker
 
 
-def bound(name: str, topic: str, dp_ranks: tuple[int, ...] | None = None) -> EngineConfig:
-    return EngineConfig(name, None, None, topic=topic, dp_ranks=dp_ranks)
+def bound(
+    name: str, topic: str, dp_ranks: tuple[int, ...] | None = None, key: bytes | None = None
+) -> EngineConfig:
+    return EngineConfig(name, None, None, topic=topic, dp_ranks=dp_ranks, public_key=key)
 
 
 # --- configured engines --------------------------------------------------------------------------
@@ -62,11 +74,11 @@ def test_a_configured_topic_names_its_engines_worker_for_each_rank_it_has() -> N
     owner = Owner()
     owner.configure(bound("a", "kv-a", dp_ranks=(0, 1)))
     owner.configure(bound("b", "kv-b"))
-    assert owner.roster.route(b"kv-a", 0) == "a-dp0"
-    assert owner.roster.route(b"kv-a", 1) == "a-dp1"
-    assert owner.roster.route(b"kv-b", None) == owner.roster.route(b"kv-b", 0) == "b"
-    assert owner.roster.route(b"kv-a", 2) == "engine 'a' has no DP rank 2 (see its dp_ranks)"
-    assert owner.roster.route(b"kv-b", 1) == "engine 'b' has no DP rank 1 (see its dp_ranks)"
+    assert owner.route(b"kv-a", 0) == "a-dp0"
+    assert owner.route(b"kv-a", 1) == "a-dp1"
+    assert owner.route(b"kv-b", None) == owner.route(b"kv-b", 0) == "b"
+    assert owner.route(b"kv-a", 2) == "engine 'a' has no DP rank 2 (see its dp_ranks)"
+    assert owner.route(b"kv-b", 1) == "engine 'b' has no DP rank 1 (see its dp_ranks)"
     assert owner.joined == []  # a configured engine's workers are its owner's from the start
 
 
@@ -75,9 +87,9 @@ def test_a_removed_engines_topic_is_unknown_and_a_namesake_topic_stays() -> None
     owner = Owner()
     owner.configure(bound("a", "kv-a"))
     owner.roster.remove(EngineConfig("c", "tcp://h:1", None, topic="kv-a"))
-    assert owner.roster.route(b"kv-a", 0) == "a"
+    assert owner.route(b"kv-a", 0) == "a"
     owner.roster.remove(bound("a", "kv-a"))
-    assert "no configured engine's" in str(owner.roster.route(b"kv-a", 0))
+    assert "no configured engine's" in str(owner.route(b"kv-a", 0))
 
 
 # --- topics nobody configured --------------------------------------------------------------------
@@ -86,7 +98,7 @@ def test_a_removed_engines_topic_is_unknown_and_a_namesake_topic_stays() -> None
 @pytest.mark.parametrize("topic", [b"kv-events", b"", b"kv@pod", b"kv@@m", b"kv@a/b@m"])
 def test_a_topic_of_no_engine_and_no_convention_is_refused(topic: bytes) -> None:
     owner = Owner()
-    reason = owner.roster.route(topic, 0)
+    reason = owner.route(topic, 0)
     assert reason == f"topic {topic!r} is no configured engine's and not kv@<pod-id>@<model>"
     assert owner.joined == [] and owner.channels == {}
 
@@ -94,7 +106,7 @@ def test_a_topic_of_no_engine_and_no_convention_is_refused(topic: bytes) -> None
 def test_without_a_convention_only_configured_engines_are_routed() -> None:
     """The default (no --join-by-topic): a made-up llm-d topic joins nobody (issue 16)."""
     owner = Owner(convention=None)
-    reason = owner.roster.route(b"kv@intruder@llama", 0)
+    reason = owner.route(b"kv@intruder@llama", 0)
     assert reason == (
         "topic b'kv@intruder@llama' is no configured engine's (others join only --join-by-topic)"
     )
@@ -103,9 +115,9 @@ def test_without_a_convention_only_configured_engines_are_routed() -> None:
 
 def test_an_llmd_topic_makes_its_pod_a_worker_per_rank_on_its_first_message() -> None:
     owner = Owner()
-    assert owner.roster.route(b"kv@pod-7@meta-llama/Llama-3.1-8B", None) == "pod-7"
-    assert owner.roster.route(b"kv@pod-7@meta-llama/Llama-3.1-8B", 1) == "pod-7-dp1"
-    assert owner.roster.route(b"kv@pod-7@meta-llama/Llama-3.1-8B", 0) == "pod-7"  # known now
+    assert owner.route(b"kv@pod-7@meta-llama/Llama-3.1-8B", None) == "pod-7"
+    assert owner.route(b"kv@pod-7@meta-llama/Llama-3.1-8B", 1) == "pod-7-dp1"
+    assert owner.route(b"kv@pod-7@meta-llama/Llama-3.1-8B", 0) == "pod-7"  # known now
     assert owner.joined == [  # no replay endpoint: llm-d's pods publish only
         WorkerAddress("pod-7", None, None, None),
         WorkerAddress("pod-7-dp1", 1, None, None),
@@ -115,15 +127,15 @@ def test_an_llmd_topic_makes_its_pod_a_worker_per_rank_on_its_first_message() ->
 def test_two_pods_with_one_worker_id_are_not_taken_for_each_other() -> None:
     """Pod "p" at rank 1 and pod "p-dp1" at rank 0 are both worker "p-dp1": the first keeps it."""
     owner = Owner()
-    assert owner.roster.route(b"kv@p@m", 1) == "p-dp1"
-    assert owner.roster.route(b"kv@p-dp1@m", 0) == "worker 'p-dp1' is pod 'p''s, not pod 'p-dp1''s"
+    assert owner.route(b"kv@p@m", 1) == "p-dp1"
+    assert owner.route(b"kv@p-dp1@m", 0) == "worker 'p-dp1' is pod 'p''s, not pod 'p-dp1''s"
     assert [address.worker for address in owner.joined] == ["p-dp1"]
 
 
 def test_a_pod_named_as_a_configured_engine_is_refused() -> None:
     owner = Owner()
     owner.configure(bound("pod-x", "kv-x"))
-    reason = owner.roster.route(b"kv@pod-x@m", 0)
+    reason = owner.route(b"kv@pod-x@m", 0)
     assert reason == "worker 'pod-x' is a configured engine with another topic"
     assert owner.joined == []
 
@@ -132,19 +144,19 @@ def test_at_max_workers_a_new_pod_waits_for_one_silent_long_enough() -> None:
     """llm-d replaces pods under new names: the one silent longest gives its place, once silent
     for RETIRE_SILENT_AFTER_S; should it speak again, it joins anew."""
     owner = Owner(max_workers=2)
-    owner.roster.route(b"kv@pod-a@m", 0)
-    owner.roster.route(b"kv@pod-b@m", 0)
-    refused = owner.roster.route(b"kv@pod-c@m", 0)
+    owner.route(b"kv@pod-a@m", 0)
+    owner.route(b"kv@pod-b@m", 0)
+    refused = owner.route(b"kv@pod-c@m", 0)
     assert refused == "more than 2 workers named by topic (--max-workers)"
     owner.now = 10.0
-    owner.roster.route(b"kv@pod-a@m", 0)  # pod-a speaks: pod-b is the one silent longest
+    owner.route(b"kv@pod-a@m", 0)  # pod-a speaks: pod-b is the one silent longest
     owner.now = RETIRE_SILENT_AFTER_S - 1
-    assert owner.roster.route(b"kv@pod-c@m", 0) == refused  # pod-b silent, not long enough
+    assert owner.route(b"kv@pod-c@m", 0) == refused  # pod-b silent, not long enough
     owner.now = RETIRE_SILENT_AFTER_S
-    assert owner.roster.route(b"kv@pod-c@m", 0) == "pod-c"
+    assert owner.route(b"kv@pod-c@m", 0) == "pod-c"
     assert owner.retired == ["pod-b"] and set(owner.channels) == {"pod-a", "pod-c"}
     owner.now += RETIRE_SILENT_AFTER_S
-    assert owner.roster.route(b"kv@pod-b@m", 0) == "pod-b"  # back, in pod-a's place
+    assert owner.route(b"kv@pod-b@m", 0) == "pod-b"  # back, in pod-a's place
     assert owner.retired == ["pod-b", "pod-a"]
     assert [address.worker for address in owner.joined] == ["pod-a", "pod-b", "pod-c", "pod-b"]
 
@@ -152,7 +164,7 @@ def test_at_max_workers_a_new_pod_waits_for_one_silent_long_enough() -> None:
 def test_configured_engines_do_not_count_against_max_workers() -> None:
     owner = Owner(max_workers=1)
     owner.configure(bound("a", "kv-a", dp_ranks=(0, 1)))
-    assert owner.roster.route(b"kv@pod-a@m", 0) == "pod-a"
+    assert owner.route(b"kv@pod-a@m", 0) == "pod-a"
 
 
 def test_another_adapters_convention_names_workers_the_same_way() -> None:
@@ -163,8 +175,8 @@ def test_another_adapters_convention_names_workers_the_same_way() -> None:
         return text.removeprefix("sglang-") if text.startswith("sglang-") else None
 
     owner = Owner(convention=TopicConvention("sglang-<id>", instance))
-    assert owner.roster.route(b"sglang-node-3", 2) == "node-3-dp2"
-    assert owner.roster.route(b"kv@pod-7@m", 0) == (
+    assert owner.route(b"sglang-node-3", 2) == "node-3-dp2"
+    assert owner.route(b"kv@pod-7@m", 0) == (
         "topic b'kv@pod-7@m' is no configured engine's and not sglang-<id>"
     )
 
@@ -179,9 +191,43 @@ def test_only_a_configured_engine_with_one_worker_takes_an_undecodable_message()
     owner.configure(bound("a", "kv-a"))
     owner.configure(bound("b", "kv-b", dp_ranks=(0, 1)))
     owner.configure(bound("c", "kv-c", dp_ranks=(0,)))
-    assert owner.roster.sole_channel(b"kv-a") == "a"
-    assert owner.roster.sole_channel(b"kv-b") is None
-    assert owner.roster.sole_channel(b"kv-c") == "c-dp0"
-    assert owner.roster.sole_channel(b"kv@pod-7@m") is None
-    assert owner.roster.sole_channel(b"kv-events") is None
+    assert owner.roster.sole_channel(b"kv-a", None) == "a"
+    assert owner.roster.sole_channel(b"kv-b", None) is None
+    assert owner.roster.sole_channel(b"kv-c", None) == "c-dp0"
+    assert owner.roster.sole_channel(b"kv@pod-7@m", None) is None
+    assert owner.roster.sole_channel(b"kv-events", None) is None
     assert owner.joined == []
+
+
+# --- CURVE: the sender's key -------------------------------------------------------------------
+
+KEY_A, KEY_B, KEY_POD, KEY_POD2 = (bytes([65 + i]) * 40 for i in range(4))  # shaped as z85 keys
+
+
+def test_with_curve_a_configured_topic_is_taken_only_from_its_engines_key() -> None:
+    owner = Owner(convention=None, join_keys=frozenset())
+    owner.configure(bound("a", "kv-a", key=KEY_A))
+    owner.configure(bound("b", "kv-b", key=KEY_B))
+    assert owner.route(b"kv-a", 0, KEY_A) == "a"
+    refused = owner.roster.route(b"kv-a", 0, KEY_B)  # engine b posing as engine a
+    assert isinstance(refused, Refusal) and refused.wrong_key
+    assert "engine 'a'" in refused.detail and KEY_B.decode() in refused.detail
+    assert owner.roster.sole_channel(b"kv-a", KEY_B) is None  # b's garbage cannot clear a
+    assert owner.roster.sole_channel(b"kv-a", KEY_A) == "a"
+    assert owner.roster.admits(KEY_A) and owner.roster.admits(KEY_B)
+    assert not owner.roster.admits(KEY_POD)
+    owner.roster.remove(bound("b", "kv-b", key=KEY_B))
+    assert not owner.roster.admits(KEY_B)  # a removed engine may no longer connect
+
+
+def test_with_curve_workers_join_by_topic_only_from_join_keys_and_stay_theirs() -> None:
+    owner = Owner(join_keys=frozenset({KEY_POD, KEY_POD2}))
+    owner.configure(bound("a", "kv-a", key=KEY_A))
+    assert owner.roster.admits(KEY_POD) and owner.roster.admits(KEY_A)
+    refused = owner.roster.route(b"kv@pod-1@m", 0, KEY_A)  # an engine's key is no join key
+    assert isinstance(refused, Refusal) and refused.wrong_key and owner.joined == []
+    assert owner.route(b"kv@pod-1@m", 0, KEY_POD) == "pod-1"
+    assert owner.route(b"kv@pod-1@m", 0, KEY_POD) == "pod-1"
+    taken = owner.roster.route(b"kv@pod-1@m", 0, KEY_POD2)  # another join key on pod-1's topic
+    assert isinstance(taken, Refusal) and taken.wrong_key
+    assert owner.route(b"kv@pod-2@m", 0, KEY_POD2) == "pod-2"

@@ -6,10 +6,12 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq.auth
 
 from hmakv.cli import build_parser
 from hmakv.commands.index import service_config
@@ -57,6 +59,9 @@ def test_log_levels_are_read_in_any_case(monkeypatch: pytest.MonkeyPatch) -> Non
 
 # A value each option type accepts, by the type's name (an option with choices takes one of
 # them, a flag "1"); a new type needs a sample here.
+# A CURVE key pair for the key flags' samples, made once for the module.
+_PUBLIC_KEY, _SECRET_KEY = zmq.auth.create_certificates(tempfile.mkdtemp(), "sample")
+
 SAMPLES = {
     None: "x",
     "int": "3",
@@ -79,6 +84,10 @@ SAMPLES = {
     "engine count (2 to 6)": "3",
     "_engine_choices": "gpt-oss-like:chat,gemma3-like:documents",
     "_token_file": __file__,  # any readable, non-empty file
+    "curve_key_pair": _SECRET_KEY,
+    "curve_public_key": _PUBLIC_KEY,
+    "curve_public_keys": _PUBLIC_KEY,
+    "_key_name": "engine-a",
 }
 
 

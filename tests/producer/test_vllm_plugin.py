@@ -18,15 +18,18 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
 import pytest
 import zmq
+import zmq.auth
 
 from hmakv.kafka.process import free_port
 from hmakv.producer import events as hmakv_events
 from hmakv.producer import vllm_plugin
+from hmakv.producer.curve import CurveError, connect_to, load_key_pair
 from hmakv.producer.protocol import decode_seq
 from hmakv.producer.publisher import ZmqEventPublisher
 
@@ -261,6 +264,53 @@ def test_with_the_bind_variable_a_loopback_endpoint_is_served_not_connected(
     finally:
         publisher.shutdown()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.usefixtures("opted_in")
+def test_with_the_curve_variables_only_an_admitted_client_reads_the_engine(
+    kv_events: types.ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _, engine_secret = zmq.auth.create_certificates(tmp_path, "engine")
+    bridge_public, bridge_secret = zmq.auth.create_certificates(tmp_path, "bridge")
+    _, stranger_secret = zmq.auth.create_certificates(tmp_path, "stranger")
+    monkeypatch.setenv(vllm_plugin.CURVE_SECRET_KEY_ENV, engine_secret)
+    monkeypatch.setenv(vllm_plugin.CURVE_CLIENTS_ENV, bridge_public)
+    vllm_plugin.register()
+    endpoint = f"tcp://*:{free_port()}"
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+    publisher = kv_events.EventPublisherFactory.create(config, data_parallel_rank=0)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    engine_key = load_key_pair(engine_secret).public
+    try:
+        subs = []
+        for secret in (bridge_secret, stranger_secret):
+            sub = ctx.socket(zmq.SUB)
+            connect_to(sub, load_key_pair(secret), engine_key)
+            sub.connect(endpoint.replace("*", "127.0.0.1"))
+            sub.subscribe(b"")
+            subs.append(sub)
+        bridge, stranger = subs
+        first = wait_for_subscription(publisher, bridge)
+        publisher.publish(vllm_step(0))
+        assert bridge.poll(int(WAIT_S * 1000))
+        assert decode_seq(bridge.recv_multipart()[1]) == first
+        assert not stranger.poll(200)
+        assert publisher.stats().clients_refused >= 1
+    finally:
+        publisher.shutdown()
+        ctx.destroy(linger=0)
+
+
+def test_a_curve_variable_without_the_secret_key_or_a_bad_key_stops_the_publisher(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An engine meant to publish under CURVE must not start publishing in the clear."""
+    monkeypatch.setenv(vllm_plugin.CURVE_SERVER_KEY_ENV, "x" * 40)
+    with pytest.raises(ValueError, match=vllm_plugin.CURVE_SECRET_KEY_ENV):
+        vllm_plugin.create_publisher(0, f"tcp://*:{free_port()}")
+    monkeypatch.setenv(vllm_plugin.CURVE_SECRET_KEY_ENV, str(tmp_path / "missing.key_secret"))
+    with pytest.raises(CurveError, match="no CURVE certificate"):
+        vllm_plugin.create_publisher(0, f"tcp://*:{free_port()}")
 
 
 def vllm_step(step: int) -> KVEventBatch:
