@@ -25,7 +25,7 @@ from prometheus_client import Counter as MetricCounter
 from hmakv.bridge.board import BoardEntry, WorkerBoard
 from hmakv.bridge.config import WorkerAddress
 from hmakv.bridge.deadletter import DeadLetterOffice
-from hmakv.bridge.frames import Rejected, RejectReason, decode_payload, split_reply
+from hmakv.bridge.frames import EventLimits, Rejected, RejectReason, decode_payload, split_reply
 from hmakv.bridge.metrics import KNOWN_EVENT_CLASSES, UNKNOWN_EVENT_TYPE, BridgeMetrics
 from hmakv.bridge.readable import Readable, receive_ready
 from hmakv.bridge.relay import Handled, WorkerRelay
@@ -59,6 +59,7 @@ class SourceSettings:
 
     max_payload_bytes: int
     replay_timeout: float
+    limits: EventLimits = field(default_factory=EventLimits)
     # Reply messages one fetch may hand over per turn of the event loop: with many replays at
     # once, more would starve the sink's loops until the queue is full.
     receive_limit: int = 64
@@ -344,7 +345,8 @@ class WorkerChannel:
         if isinstance(reply, ReplyEnd):
             self._apply(relay.on_fetch_end(fetch_id, time.time()))
             return True
-        decoded = decode_payload(reply, frames, self._settings.max_payload_bytes)
+        settings = self._settings
+        decoded = decode_payload(reply, frames, settings.max_payload_bytes, settings.limits)
         if isinstance(decoded, Rejected):
             self._office.reject(source, decoded)
             self._apply(relay.on_fetched(fetch_id, reply.seq, None, time.time()))

@@ -31,6 +31,7 @@ from hmakv.bridge.catalog import GroupCatalog
 from hmakv.bridge.channel import SourceSettings, WorkerChannel
 from hmakv.bridge.config import ConfigError, EngineConfig, WorkerAddress
 from hmakv.bridge.deadletter import DeadLetterOffice
+from hmakv.bridge.frames import EventLimits
 from hmakv.bridge.health import Readiness, health_app, serve
 from hmakv.bridge.intake import Intake
 from hmakv.bridge.metrics import BridgeMetrics
@@ -76,6 +77,7 @@ class BridgeSettings:
     rcvhwm: int = 1000
     max_buffered: int = DEFAULT_MAX_BUFFERED
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    limits: EventLimits = field(default_factory=EventLimits)
     max_record_bytes: int = 8 * 1024 * 1024
     max_workers: int = 1024
     join_by_topic: bool = False  # engines not configured may join on --bind-sub (llm-d's topics)
@@ -124,6 +126,7 @@ class BridgeService:
         self._source_settings = SourceSettings(
             max_payload_bytes=settings.max_payload_bytes,
             replay_timeout=settings.replay_timeout,
+            limits=settings.limits,
             rcvhwm=settings.rcvhwm,
             curve_keys=settings.curve_keys,
         )

@@ -205,7 +205,9 @@ class ConnectedSource(_Subscriber):
         if isinstance(message, Rejected):
             self._office.reject(self.name, message)
             return
-        decoded = decode_payload(message, frames, self._settings.max_payload_bytes)
+        decoded = decode_payload(
+            message, frames, self._settings.max_payload_bytes, self._settings.limits
+        )
         if isinstance(decoded, Rejected):
             self._office.reject(self.name, decoded)
             self.channel.on_undecodable(message.seq)
@@ -255,7 +257,9 @@ class BoundSource(_Subscriber):
         if isinstance(message, Rejected):
             self._office.reject(self.name, message)
             return
-        decoded = decode_payload(message, frames, self._settings.max_payload_bytes)
+        decoded = decode_payload(
+            message, frames, self._settings.max_payload_bytes, self._settings.limits
+        )
         if isinstance(decoded, Rejected):
             self._office.reject(_topic_name(message), decoded)
             sole = self._roster.sole_channel(message.topic, sender)

@@ -41,6 +41,9 @@ CURVE_CLIENTS_ENV = "HMAKV_VLLM_CURVE_CLIENTS"
 """the client keys (a directory of ``*.key`` files, a file or a key) that may read what the
 engine binds; unset, any client that knows the engine's public key may."""
 REPLACED_PUBLISHER = "zmq"
+SNAPSHOT_HASHES_PER_STORE = 4096
+"""A snapshot's stores list at most this many hashes each: a consumer keeps every hash it is
+told of, so the bridge caps what one event may list, and a large cache is many stores."""
 VLLM_KV_EVENTS_MODULE = "vllm.distributed.kv_events"
 VLLM_SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
@@ -73,9 +76,10 @@ class VllmZmqEventPublisher(ZmqEventPublisher):
 
 
 def snapshot_events(manager: Any) -> list[KVEvent]:
-    """One ``BlockStored`` per group with every cached hash, once per physical copy (consumers
-    count copies), tagged with the group's kind and window as vLLM tags its own stores: the
-    cache as of the batch being published.
+    """``BlockStored`` events per group with every cached hash, once per physical copy
+    (consumers count copies), ``SNAPSHOT_HASHES_PER_STORE`` at most in each, tagged with the
+    group's kind and window as vLLM tags its own stores: the cache as of the batch being
+    published.
 
     Reads vLLM 0.32's block pool: ``cached_block_hash_to_block`` maps a hash with its group id
     (the last 4 bytes) to one block or a dict of copies; it has no public iterator.
@@ -93,9 +97,9 @@ def snapshot_events(manager: Any) -> list[KVEvent]:
         if not group_hashes:
             continue
         kind, window = manager.kv_cache_event_metadata[group]
-        stores.append(
+        stores.extend(
             BlockStored(
-                block_hashes=group_hashes,
+                block_hashes=group_hashes[start : start + SNAPSHOT_HASHES_PER_STORE],
                 parent_block_hash=None,
                 token_ids=[],
                 block_size=groups[group].kv_cache_spec.block_size,
@@ -106,6 +110,7 @@ def snapshot_events(manager: Any) -> list[KVEvent]:
                 kv_cache_spec_kind=kind,
                 kv_cache_spec_sliding_window=window,
             )
+            for start in range(0, len(group_hashes), SNAPSHOT_HASHES_PER_STORE)
         )
     return stores
 

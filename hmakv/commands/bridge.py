@@ -34,6 +34,7 @@ from hmakv.bridge.config import (
     load_engines_file,
     parse_engine_flags,
 )
+from hmakv.bridge.frames import EventLimits
 from hmakv.bridge.service import BridgeService, BridgeSettings, check_topology
 from hmakv.bridge.tracking import DEFAULT_MAX_BUFFERED
 from hmakv.kvlog.logs import JsonFormatter
@@ -233,6 +234,29 @@ def _add_flow_options(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="dead-letter larger payloads",
     )
+    limits = EventLimits()
+    add(
+        "--max-hashes-per-event",
+        type=positive_int,
+        default=str(limits.max_hashes_per_event),
+        metavar="HASHES",
+        help="dead-letter a batch with an event listing more block hashes (consumers keep each "
+        "one: ~100 bytes for 1 to 9 on the wire); a configured engine's is then a loss",
+    )
+    add(
+        "--max-hashes-per-batch",
+        type=positive_int,
+        default=str(limits.max_hashes_per_batch),
+        metavar="HASHES",
+        help="likewise for the hashes of all a batch's events",
+    )
+    add(
+        "--max-token-ids-per-event",
+        type=positive_int,
+        default=str(limits.max_token_ids_per_event),
+        metavar="TOKENS",
+        help="likewise for a store's token ids",
+    )
     add_seconds(
         parser, "--shutdown-timeout", "on SIGTERM, time to deliver what is queued", default="10"
     )
@@ -269,6 +293,11 @@ def _settings(args: argparse.Namespace) -> BridgeSettings:
         linger=args.linger_ms / 1000,
         max_buffered=args.max_buffered,
         max_payload_bytes=args.max_payload_bytes,
+        limits=EventLimits(
+            max_hashes_per_event=args.max_hashes_per_event,
+            max_hashes_per_batch=args.max_hashes_per_batch,
+            max_token_ids_per_event=args.max_token_ids_per_event,
+        ),
         max_record_bytes=args.max_record_bytes,
         max_workers=args.max_workers,
         join_by_topic=args.join_by_topic,

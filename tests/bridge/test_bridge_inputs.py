@@ -31,8 +31,9 @@ from bridge_harness import (
 
 import hmakv.bridge.roster as bridge_roster
 from hmakv.bridge.config import EngineConfig
+from hmakv.bridge.frames import EventLimits
 from hmakv.kvlog.records import EventRecord
-from hmakv.producer.events import AllBlocksCleared, BlockRemoved, encode
+from hmakv.producer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode
 from hmakv.producer.protocol import encode_seq
 from hmakv.producer.publisher import ZmqEventPublisher
 
@@ -310,6 +311,63 @@ async def test_engines_that_connect_to_the_bridge_are_told_apart_by_topic(
     assert engine_c == list(range(51))
     assert [r.events for r in log.records_of("engine-c") if r.seq == 0] == [[AllBlocksCleared()]]
     assert log.records_of("pod-a")[-1].seq == 50
+
+
+def store(**fields: Any) -> BlockStored:
+    values: dict[str, Any] = {"block_hashes": [1], "token_ids": [1, 2, 3, 4], "group_idx": 0}
+    values.update(fields)
+    return BlockStored(
+        parent_block_hash=None, block_size=4, lora_id=None, medium="GPU", lora_name=None, **values
+    )
+
+
+async def test_a_batch_that_lists_more_than_the_limits_is_a_counted_loss_not_index_memory(
+    kafka_bootstrap: str,
+) -> None:
+    """A 28.8 MB batch once grew the index by 12x its size (issue 16): the bridge caps what one
+    batch may list, and a configured engine's batch past a cap is dead-lettered by reason and
+    counted as the worker's loss (cleared, degraded), as an undecodable one is."""
+    raw = RawPublisher()
+    limits = EventLimits(
+        max_hashes_per_event=4, max_hashes_per_batch=6, max_token_ids_per_event=8, max_items=2
+    )
+    settings = settings_for(kafka_bootstrap, limits=limits)
+    topic = TOPIC.encode()
+    over = {
+        "hashes_over_limit": [BlockRemoved([1, 2, 3, 4, 5], "GPU", 0)],
+        "token_ids_over_limit": [store(token_ids=list(range(9)))],
+        "extra_keys_over_limit": [store(extra_keys=[("a", "b", "c")])],
+        "lookahead_over_limit": [store(lookahead_token_ids=[[1], [2], [3], [4], [5]])],
+    }
+    within = [store(block_hashes=[1, 2, 3, 4]), BlockRemoved([5, 6], "GPU", 0)]  # 6 in all
+    try:
+        async with running_bridge(settings, [raw.config("raw")]) as bridge:
+            await raw.subscribed()
+            raw.send(topic, seq(0), encode(KVEventBatch(1.0, within)))
+            for index, events in enumerate(over.values(), start=1):
+                raw.send(topic, seq(index), encode(KVEventBatch(1.0, events)))
+            raw.send(topic, seq(5), encode(KVEventBatch(1.0, within)))
+            log = KafkaLog(kafka_bootstrap, settings.topics)
+
+            def all_in(log: KafkaLog) -> bool:
+                state = log.state("raw")
+                return (
+                    {d.reason for d in log.dead_letters} == set(over)
+                    and log.has_seq("raw", 5, groups=(0,))
+                    and state is not None
+                    and state.health == "degraded"
+                )
+
+            await log.wait_for(all_in, "the four dead letters and the last batch")
+            counts = {
+                reason: metric(bridge, "hmakv_bridge_frames_rejected_total", reason=reason)
+                for reason in over
+            }
+    finally:
+        raw.close()
+    assert counts == dict.fromkeys(over, 1.0)
+    stores = [e for r in log.records_of("raw") for e in r.events if isinstance(e, BlockStored)]
+    assert [s.block_hashes for s in stores] == [[1, 2, 3, 4], [1, 2, 3, 4]]  # only the two within
 
 
 async def test_without_join_by_topic_a_made_up_pod_cannot_write_the_index(

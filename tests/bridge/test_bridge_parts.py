@@ -21,7 +21,15 @@ from hmakv.bridge.config import (
     load_engines_file,
     parse_engine_flag,
 )
-from hmakv.bridge.frames import Rejected, RejectReason, decode_payload, split_live, split_reply
+from hmakv.bridge.frames import (
+    EventLimits,
+    Rejected,
+    RejectReason,
+    decode_payload,
+    over_limit,
+    split_live,
+    split_reply,
+)
 from hmakv.bridge.outbox import Outgoing
 from hmakv.bridge.relay import Handled, WorkerRelay
 from hmakv.bridge.roster import llmd_pod
@@ -39,7 +47,14 @@ from hmakv.kvlog import records
 from hmakv.kvlog.logs import JsonFormatter, RateLimitedLog
 from hmakv.kvlog.records import EventRecord, Topics
 from hmakv.producer.curve import load_key_pair
-from hmakv.producer.events import AllBlocksCleared, BlockStored, GroupSpec, KVEventBatch, encode
+from hmakv.producer.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    GroupSpec,
+    KVEventBatch,
+    encode,
+)
 from hmakv.producer.protocol import END_SEQ_FRAME, ReplyEnd, SeqFrames, encode_seq
 
 # --- configuration -------------------------------------------------------------------------------
@@ -538,3 +553,38 @@ def test_engine_keys_come_from_flags_and_files_and_curve_is_all_or_nothing(
         check_topology(joining, [by_file])
     check_topology(dataclasses.replace(joining, join_by_topic=True), [by_file])
     assert pair.secret.decode() not in repr(curve)
+
+
+def test_event_limits_take_a_batch_at_each_limit_and_refuse_one_past_it() -> None:
+    limits = EventLimits(
+        max_hashes_per_event=3, max_hashes_per_batch=5, max_token_ids_per_event=6, max_items=2
+    )
+
+    def stored(hashes: int, **fields: object) -> BlockStored:
+        return BlockStored(
+            list(range(hashes)), None, [0] * fields.pop("tokens", 0), 2, None, "GPU", None, **fields
+        )  # type: ignore[arg-type]
+
+    at_limits = KVEventBatch(
+        0.0,
+        [
+            stored(
+                3, tokens=6, extra_keys=[("a", "b"), None, ()], lookahead_token_ids=[[1, 2]] * 3
+            ),
+            BlockRemoved([1, 2], "GPU"),
+            AllBlocksCleared(),
+        ],
+    )
+    assert over_limit(at_limits, limits) is None
+    past = {
+        RejectReason.HASHES_OVER_LIMIT: [stored(4)],
+        RejectReason.TOKEN_IDS_OVER_LIMIT: [stored(1, tokens=7)],
+        RejectReason.EXTRA_KEYS_OVER_LIMIT: [stored(1, extra_keys=[(1, 2, 3)])],
+        RejectReason.LOOKAHEAD_OVER_LIMIT: [stored(1, lookahead_token_ids=[[1]] * 4)],
+    }
+    for reason, events in past.items():
+        refused = over_limit(KVEventBatch(0.0, events), limits)
+        assert refused is not None and refused[0] is reason, reason
+    batch_past = KVEventBatch(0.0, [stored(3), BlockRemoved([1, 2, 3], "GPU")])
+    refused = over_limit(batch_past, limits)
+    assert refused is not None and "the batch 6 so far" in refused[1]

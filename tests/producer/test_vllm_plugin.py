@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import types
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,6 +27,7 @@ import pytest
 import zmq
 import zmq.auth
 
+from hmakv.bridge.frames import EventLimits, over_limit
 from hmakv.kafka.process import free_port
 from hmakv.producer import events as hmakv_events
 from hmakv.producer import vllm_plugin
@@ -412,3 +414,37 @@ def test_config_fields_from_a_newer_vllm_are_ignored_with_one_warning(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "reconciliation_digest_interval_s, reconciliation_enabled" in warnings[0]
+
+
+def test_a_large_cache_is_snapshotted_in_stores_the_bridge_accepts() -> None:
+    """A snapshot once listed a group's whole cache in one store; the bridge caps the hashes one
+    event may list, so a large cache is many stores, with every copy of every hash still there."""
+    cached: dict[bytes, object] = {}
+    for block in range(10_000):
+        key = block.to_bytes(32, "big") + (block % 2).to_bytes(4, "big")  # hash, then group id
+        cached[key] = {1: object(), 2: object()} if block == 7 else object()
+    spec = types.SimpleNamespace(kv_cache_spec=types.SimpleNamespace(block_size=16))
+    manager = types.SimpleNamespace(
+        block_pool=types.SimpleNamespace(
+            cached_block_hash_to_block=types.SimpleNamespace(_cache=cached),
+            kv_event_queue=[],
+            medium="GPU",
+        ),
+        kv_cache_config=types.SimpleNamespace(kv_cache_groups=[spec, spec]),
+        kv_cache_event_metadata={0: ("full_attention", None), 1: ("sliding_window", 64)},
+    )
+    stores = vllm_plugin.snapshot_events(manager)
+    assert all(
+        isinstance(s, hmakv_events.BlockStored)
+        and len(s.block_hashes) <= vllm_plugin.SNAPSHOT_HASHES_PER_STORE
+        for s in stores
+    )
+    listed = Counter(
+        (s.group_idx, h)
+        for s in stores
+        if isinstance(s, hmakv_events.BlockStored)
+        for h in s.block_hashes
+    )
+    expected = Counter({(block % 2, block): 2 if block == 7 else 1 for block in range(10_000)})
+    assert listed == expected
+    assert not over_limit(hmakv_events.KVEventBatch(0.0, stores), EventLimits())
