@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from hmakv.consumers.follower import Follower
+from hmakv.consumers.freshness import Freshness, NotReady, not_ready, record_age
 from hmakv.consumers.index import WorkerInfo
 from hmakv.consumers.stats import ScoreStats
 from hmakv.kvlog.answers import (
@@ -124,8 +125,22 @@ class Liveness(msgspec.Struct, kw_only=True):
 
 
 class Readiness(msgspec.Struct, kw_only=True):
+    """200 when ``ready``; 503 with the ``reasons`` otherwise."""
+
     ready: bool
+    reasons: Annotated[
+        list[NotReady],
+        Doc(
+            description="why not ready: catching_up (not caught up with the log yet: starting, "
+            "restoring, rebalancing or behind it), broker_silent (Kafka has not answered for "
+            "longer than --max-broker-silence); empty when ready"
+        ),
+    ]
     lag_records: int
+    broker_silence_s: Annotated[float, Doc(description="seconds since Kafka last answered")]
+    stale_workers: Annotated[
+        int, Doc(description="workers whose answers may be behind (all while Kafka is silent)")
+    ]
 
 
 class ErrorBody(msgspec.Struct):
@@ -215,9 +230,9 @@ class ScoreApi:
                 "GET",
                 "/readyz",
                 self.readyz,
-                "Caught up with the log (503 until then)",
+                "Caught up with the log and hearing from Kafka (503 otherwise, with the reasons)",
                 Readiness,
-                extra_statuses=((503, "Not caught up yet"),),
+                extra_statuses=((503, "Not caught up, or Kafka silent"),),
             ),
             Route(
                 "GET",
@@ -272,7 +287,9 @@ class ScoreApi:
             workers=self._worker_filter(request.workers),
             lookahead_hashes=rehash,
         )
-        hits = _with_stale_groups(scores, self.follower.stale_groups_by_worker())
+        hits = _with_follower_view(
+            scores, self.follower.stale_groups_by_worker(), self.follower.freshness()
+        )
         best = hma_best(hits)
         best_worker = best.worker if best is not None else None
         blind = group_blind_answer(hits)
@@ -401,17 +418,33 @@ class ScoreApi:
 
     async def workers(self, request: web.Request) -> web.Response:
         follower = self.follower
-        views = [_worker_view(info, follower) for info in follower.index.workers()]
+        freshness = follower.freshness()
+        now = time.time()
+        views = [_worker_view(info, follower, freshness, now) for info in follower.index.workers()]
         return _json(
-            WorkersResponse(mode=follower.config.mode, lag_records=follower.lag(), workers=views)
+            WorkersResponse(
+                mode=follower.config.mode,
+                lag_records=follower.lag(),
+                broker_silence_s=freshness.broker_silence_s,
+                workers=views,
+            )
         )
 
     async def healthz(self, request: web.Request) -> web.Response:
         return _json(Liveness(status="ok"))
 
     async def readyz(self, request: web.Request) -> web.Response:
-        ready = self.follower.ready
-        return _json(Readiness(ready=ready, lag_records=self.follower.lag()), 200 if ready else 503)
+        follower = self.follower
+        freshness = follower.freshness()
+        reasons = not_ready(caught_up=follower.ready, freshness=freshness)
+        readiness = Readiness(
+            ready=not reasons,
+            reasons=reasons,
+            lag_records=follower.lag(),
+            broker_silence_s=freshness.broker_silence_s,
+            stale_workers=len(freshness.stale_workers()),
+        )
+        return _json(readiness, 503 if reasons else 200)
 
     async def metrics(self, request: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(self.registry))
@@ -423,17 +456,22 @@ class ScoreApi:
         return _json(openapi_document(self.routes(), self.limits))
 
 
-def _with_stale_groups(hits: list[WorkerHit], stale: Mapping[str, set[int]]) -> list[WorkerHit]:
-    """The index's answers with the groups whose partition this follower no longer reads (group
-    mode), which only the follower knows; in replica mode there are none, and nothing is copied."""
-    if not stale:
+def _with_follower_view(
+    hits: list[WorkerHit], stale_groups: Mapping[str, set[int]], freshness: Freshness
+) -> list[WorkerHit]:
+    """The index's answers with what only the follower knows: the groups whose partition it no
+    longer reads (group mode) and the workers that are stale. A current worker's answer, fully
+    followed, is not copied: in replica mode with Kafka answering, none is."""
+    stale = freshness.stale_workers()
+    if not stale_groups and not stale:
         return hits
-    return [
-        msgspec.structs.replace(hit, stale_groups=tuple(sorted(groups)))
-        if (groups := stale.get(hit.worker))
-        else hit
-        for hit in hits
-    ]
+    return [_followed(hit, stale_groups.get(hit.worker), hit.worker in stale) for hit in hits]
+
+
+def _followed(hit: WorkerHit, stale_groups: set[int] | None, stale: bool) -> WorkerHit:
+    if not stale_groups and not stale:
+        return hit
+    return msgspec.structs.replace(hit, stale_groups=tuple(sorted(stale_groups or ())), stale=stale)
 
 
 def _external_hash(value: int | str) -> ExternalBlockHash:
@@ -447,10 +485,10 @@ def _external_hash(value: int | str) -> ExternalBlockHash:
         raise _BadRequest(400, f"block hash {value!r} is neither an int nor hex") from exc
 
 
-def _worker_view(info: WorkerInfo, follower: Follower) -> WorkerView:
+def _worker_view(
+    info: WorkerInfo, follower: Follower, freshness: Freshness, now: float
+) -> WorkerView:
     state = follower.worker_state(info.name)
-    same_life = state is not None and state.epoch == info.epoch
-    applied = max(info.last_seq.values(), default=-1)
     return WorkerView(
         worker=info.name,
         epoch=info.epoch,
@@ -460,7 +498,9 @@ def _worker_view(info: WorkerInfo, follower: Follower) -> WorkerView:
         resident_blocks=info.resident,
         bridge_epoch=state.epoch if state is not None else None,
         bridge_last_seq=state.last_seq if state is not None else None,
-        lag_seqs=max(0, state.last_seq - applied) if state is not None and same_life else None,
+        lag_seqs=freshness.lags.get(info.name),
+        stale=freshness.stale(info.name),
+        applied_age_s=record_age(follower.applied_ts(info.name), now),
         stale_groups=sorted(follower.stale_groups(info.name)),
         hash_lookahead=info.hash_lookahead,
     )

@@ -209,6 +209,9 @@ class Applier:
         self.index = index
         self.keys = KeyBook(key_partitions)
         self._states = {state.worker: state for state in worker_states}
+        # Per worker: the newest engine timestamp of a record applied by this process (not in
+        # snapshots: how current this index is, not what the log holds).
+        self._applied_ts: dict[str, float] = {}
         self._behind_noticed: set[tuple[str, int]] = set()
 
     def worker_state(self, worker: str) -> WorkerState | None:
@@ -217,6 +220,11 @@ class Applier:
 
     def worker_states(self) -> list[WorkerState]:
         return list(self._states.values())
+
+    def applied_ts(self, worker: str) -> float | None:
+        """The engine's timestamp of the newest record applied for the worker since this
+        process started (its groups' partitions may be read out of step, hence the newest)."""
+        return self._applied_ts.get(worker)
 
     # ------------------------------------------------------------------------------ records
 
@@ -233,6 +241,8 @@ class Applier:
             return _apply_error(error)
         if outcome is ApplyOutcome.APPLIED:
             self.keys.note(record.worker, record.group_idx, partition)
+            newest = self._applied_ts.get(record.worker, record.ts)
+            self._applied_ts[record.worker] = max(newest, record.ts)
         return EventTaken(record, outcome)
 
     def apply_worker_state(
@@ -287,6 +297,7 @@ class Applier:
 
     def _drop_books(self, worker: str) -> None:
         self._states.pop(worker, None)
+        self._applied_ts.pop(worker, None)
         self.keys.drop(worker)
 
     def _keep_catalog_and_health(self, state: WorkerState) -> None:
@@ -332,6 +343,7 @@ class Applier:
         for worker in restarted:
             self.index.forget_worker(worker)
             self.keys.drop(worker)
+            self._applied_ts.pop(worker, None)
             state = self._states.get(worker)
             if state is not None:
                 self._keep_catalog_and_health(state)

@@ -30,6 +30,11 @@ after the records are applied, and on revocation (a commit that fails is retried
 interval); a revoked partition's state is kept, marked stale (``stale_groups``; the exporter
 leaves it out, the score API never names such a worker best) and resumed from its position if it
 comes back, since forgetting it would make a later re-read of the same seqs look like replays.
+
+Kafka's silence is the follower's to watch: a fetch that brings nothing looks the same whether
+the topic is idle or the broker gone, so it asks for the workers topic's log ends about once a
+second, and ``freshness`` reads how long ago Kafka last answered beside every worker's lag
+(``freshness.py``: the rules; here only the asking).
 """
 
 from __future__ import annotations
@@ -56,6 +61,13 @@ from hmakv.consumers.applier import (
     StateTaken,
     WorkerForgotten,
     WorkerRetired,
+)
+from hmakv.consumers.freshness import (
+    BrokerContact,
+    Clock,
+    Freshness,
+    FreshnessLimits,
+    lag_seqs,
 )
 from hmakv.consumers.index import DEFAULT_HASH_BLOCK_SIZE, ApplyOutcome, KVIndex
 from hmakv.consumers.snapshots import (
@@ -89,6 +101,7 @@ _TOPIC_WAIT_S = 2.0
 _BAD_RECORD_LOG_INTERVAL_S = 60.0
 _COMMIT_FAILURE_LOG_INTERVAL_S = 60.0
 _IGNORED_STATE_LOG_INTERVAL_S = 60.0
+_BROKER_CHECK_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +112,7 @@ class FollowerConfig:
     soon as the records left over all assigned partitions are at most this many.
     ``partition_check_interval_s``: how often the clients refresh the topics' metadata, and so
     how soon partitions added to a topic are read.
+    ``freshness``: how long Kafka may be silent, and a worker behind, before the index says so.
     """
 
     bootstrap: str
@@ -114,6 +128,7 @@ class FollowerConfig:
     ready_max_lag: int = 1000
     max_records_per_fetch: int = 5000
     partition_check_interval_s: float = 5.0
+    freshness: FreshnessLimits = field(default_factory=FreshnessLimits)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -156,10 +171,18 @@ class FollowerStats:
 class Follower:
     """Applies ``hmakv.events`` and ``hmakv.workers`` to an index; see the module docstring."""
 
-    def __init__(self, config: FollowerConfig, store: SnapshotStore | None = None) -> None:
+    def __init__(
+        self,
+        config: FollowerConfig,
+        store: SnapshotStore | None = None,
+        *,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.config = config
         self.store = store
         self._applier = Applier(config.new_index())
+        self._contact = BrokerContact(clock)
+        self._silence_reported = False
         self.stats = FollowerStats()
         self._positions: dict[TopicPartition, int] = {}
         self._ready_targets: dict[TopicPartition, int] = {}
@@ -217,11 +240,13 @@ class Follower:
                 self._consume(self._events, self._apply_event, manual_events),
                 name=f"consume {topics.events}",
             ),
+            asyncio.create_task(self._watch_broker(), name="broker contact"),
         ]
         if self.store is not None and self.config.snapshot_interval_s > 0:
             self._tasks.append(
                 asyncio.create_task(self._snapshot_periodically(), name="periodic snapshots")
             )
+        self._contact.heard()  # the consumers were just positioned: Kafka answered
         self._started = True
 
     async def run(self) -> None:
@@ -591,6 +616,62 @@ class Follower:
         if self.config.mode != "group":
             return {}
         return self._applier.keys.stale_groups({tp.partition for tp in self._assigned_events()})
+
+    def applied_ts(self, worker: str) -> float | None:
+        """The engine's timestamp of the newest record applied for the worker by this process."""
+        return self._applier.applied_ts(worker)
+
+    # ------------------------------------------------------------------------------ freshness
+
+    def freshness(self) -> Freshness:
+        """Kafka's silence and every known worker's lag behind the bridge, read now: one reading
+        per request or scrape, so that all its answers agree."""
+        lags = {
+            worker: lag_seqs(self._applier.worker_state(worker), epoch, applied)
+            for worker, (epoch, applied) in self.index.progress().items()
+        }
+        return Freshness(self._contact.silence_s(), lags, self.config.freshness)
+
+    async def _watch_broker(self) -> None:
+        """Ask Kafka for the workers topic's log ends, again and again, to hear that it answers.
+
+        Asked at least twice per ``max_broker_silence_s``, so that a healthy Kafka never looks
+        silent between two answers. An answer may take up to the limit (a paused or overloaded
+        broker keeps the request open), past which it is asked anew; the silence is read when
+        wanted (``freshness``), not when an answer fails, so it shows as it grows.
+        """
+        limit = self.config.freshness.max_broker_silence_s
+        interval = min(_BROKER_CHECK_INTERVAL_S, limit / 2)
+        while True:
+            answered = await self._broker_answers(limit)
+            self._note_contact(answered)
+            await asyncio.sleep(interval)
+
+    async def _broker_answers(self, timeout_s: float) -> bool:
+        """Whether the leaders of the workers topic answer, which is assigned whole from start
+        (never empty: with no partition to ask about, aiokafka would answer without asking)."""
+        partitions = list(self._workers.assignment())
+        try:
+            await asyncio.wait_for(self._workers.end_offsets(partitions), timeout_s)
+        except (KafkaError, OSError, TimeoutError):
+            return False
+        return True
+
+    def _note_contact(self, answered: bool) -> None:
+        """Keep the answer's time; say once when the silence passes the limit, and when it ends."""
+        silence = self._contact.silence_s()
+        if answered:
+            self._contact.heard()
+            if self._silence_reported:
+                self._silence_reported = False
+                log.info("Kafka answers again after %.1f s of silence", silence)
+        elif not self._silence_reported and silence > self.config.freshness.max_broker_silence_s:
+            self._silence_reported = True
+            log.warning(
+                "Kafka has not answered for %.1f s: /readyz answers 503 and every worker is "
+                "stale until it does",
+                silence,
+            )
 
     # ------------------------------------------------------------------------------ commits
 

@@ -552,6 +552,15 @@ class KVIndex:
         """Every worker by name: epoch, health, groups, last applied seqs, resident hashes."""
         return [self._info(self._workers[name]) for name in sorted(self._workers)]
 
+    def progress(self) -> dict[str, tuple[int, int]]:
+        """Every worker's epoch and the newest seq applied in it over its groups (-1 before
+        any), which is what its lag behind the bridge is measured from; cheaper than
+        ``workers``, for each score call."""
+        return {
+            name: (worker.epoch, max(worker.last_seq.values(), default=-1))
+            for name, worker in self._workers.items()
+        }
+
     @staticmethod
     def _info(worker: _Worker) -> WorkerInfo:
         resident: dict[int, dict[str, int]] = {}
@@ -620,7 +629,8 @@ class KVIndex:
         they are. Each score names the worker's ``hash_lookahead`` either way.
 
         The answers are the API's own structs, built once (``scoring`` assembles them);
-        ``stale_groups`` is left empty, since only the follower knows which partitions it reads.
+        ``stale_groups`` is left empty and ``stale`` false, since only the follower knows which
+        partitions it reads and how far behind the bridge and Kafka it is.
         """
         scored = self._everyone if workers is None else self._bits_of(workers)
         fleet = Fleet(self._media, self._catalog_classes(), self._lookahead_bits, self._roster())

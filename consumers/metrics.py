@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from hmakv.consumers.applier import IgnoredState
 from hmakv.consumers.follower import Follower
+from hmakv.consumers.freshness import not_ready
 from hmakv.consumers.stats import Buckets, ScoreStats
 from hmakv.kvlog.records import HEALTH_STATES
 
@@ -58,6 +59,7 @@ class IndexCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._index_families()
         yield from self._follower_families()
+        yield from self._freshness_families()
         yield from self._snapshot_families()
         yield from self._score_families()
 
@@ -169,16 +171,46 @@ class IndexCollector(Collector):
         for topic, records in sorted(self._follower.lag_by_topic().items()):
             lag.add_metric([topic], records)
         yield lag
-        yield GaugeMetricFamily(
-            f"{PREFIX}_ready",
-            "1 once the follower caught up with the log (what /readyz answers)",
-            value=1 if self._follower.ready else 0,
-        )
         yield _histogram(
             stats.event_age,
             f"{PREFIX}_event_age_seconds",
             "From the engine batch timestamp to the record being applied",
         )
+
+    def _freshness_families(self) -> Iterator[Metric]:
+        """Readiness, Kafka's silence and each worker's lag and staleness, from one reading; a
+        worker's series go with the worker (retired or forgotten)."""
+        follower = self._follower
+        freshness = follower.freshness()
+        yield GaugeMetricFamily(
+            f"{PREFIX}_ready",
+            "1 while /readyz answers 200: caught up with the log, and Kafka answering",
+            value=0 if not_ready(caught_up=follower.ready, freshness=freshness) else 1,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_broker_silence_seconds",
+            "Seconds since Kafka last answered this index (since it started, before the first "
+            "answer); past --max-broker-silence /readyz answers 503 and every worker is stale",
+            value=freshness.broker_silence_s,
+        )
+        stale = GaugeMetricFamily(
+            f"{PREFIX}_worker_stale",
+            "1 while the index may be behind the worker (more seqs behind the bridge than "
+            "--max-worker-lag, or Kafka silent): never named best",
+            labels=["worker"],
+        )
+        lag = GaugeMetricFamily(
+            f"{PREFIX}_worker_lag_seqs",
+            "Seqs the bridge forwarded in the worker's life that the index has not applied "
+            "(workers with a bridge state of that life)",
+            labels=["worker"],
+        )
+        for worker, seqs in sorted(freshness.lags.items()):
+            stale.add_metric([worker], 1 if freshness.stale(worker) else 0)
+            if seqs is not None:
+                lag.add_metric([worker], seqs)
+        yield stale
+        yield lag
 
     def _worker_state_families(self) -> Iterator[Metric]:
         stats = self._follower.stats

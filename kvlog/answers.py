@@ -64,6 +64,13 @@ class WorkerHit(msgspec.Struct, frozen=True, gc=False):
             "worker; given block_hashes are used as they are for every worker"
         ),
     ] = 0
+    stale: Annotated[
+        bool,
+        Doc(
+            description="the index may be behind the worker: more seqs behind the bridge than "
+            "--max-worker-lag, or Kafka silent (then every worker is); never the best"
+        ),
+    ] = False
 
 
 class GroupBlindAnswer(msgspec.Struct, kw_only=True):
@@ -74,8 +81,8 @@ class GroupBlindAnswer(msgspec.Struct, kw_only=True):
 
 
 class ScoreResponse(msgspec.Struct, kw_only=True):
-    """Workers best first; ``best`` is the first live one with a usable catalog, no stale
-    groups and a hit."""
+    """Workers best first; ``best`` is the first live one with a usable catalog, neither stale
+    nor with stale groups, and a hit."""
 
     best: str | None
     hash_block_size: int
@@ -99,7 +106,24 @@ class WorkerView(msgspec.Struct, kw_only=True):
     resident_blocks: dict[int, dict[str, int]]
     bridge_epoch: int | None
     bridge_last_seq: int | None
-    lag_seqs: Annotated[int | None, Doc(description="seqs forwarded by the bridge, not applied")]
+    lag_seqs: Annotated[
+        int | None,
+        Doc(
+            description="seqs forwarded by the bridge in this life, not applied (null: no "
+            "bridge state of this life)"
+        ),
+    ]
+    stale: Annotated[
+        bool,
+        Doc(description="lag_seqs above --max-worker-lag, or Kafka silent: as in /v1/score"),
+    ]
+    applied_age_s: Annotated[
+        float | None,
+        Doc(
+            description="seconds since the engine stamped the newest record applied for it "
+            "(null: none applied since the index started); an idle worker ages too"
+        ),
+    ]
     stale_groups: Annotated[list[int], Doc(description="group mode: partition no longer read")]
     hash_lookahead: Annotated[
         int, Doc(description="tokens past each block its hashes cover (0: classic hashes)")
@@ -109,6 +133,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
 class WorkersResponse(msgspec.Struct, kw_only=True):
     mode: str
     lag_records: int
+    broker_silence_s: Annotated[
+        float, Doc(description="seconds since Kafka last answered the index")
+    ]
     workers: list[WorkerView]
 
 
@@ -142,7 +169,8 @@ def hma_best(hits: Iterable[WorkerHit]) -> WorkerHit | None:
 
 def group_blind_answer(hits: Iterable[WorkerHit]) -> GroupBlindAnswer:
     """What an index ignoring groups would answer: the longest group-blind hit among the workers
-    the index follows wholly (degraded and stale workers are left out, as from ``hma_best``)."""
+    the index follows wholly (degraded and stale workers, and those with stale groups, are left
+    out, as from ``hma_best``)."""
     best = best_worker(filter(current, hits), _group_blind_rank)
     if best is None:
         return GroupBlindAnswer(best=None, hit_tokens=0)
@@ -150,8 +178,9 @@ def group_blind_answer(hits: Iterable[WorkerHit]) -> GroupBlindAnswer:
 
 
 def current(hit: WorkerHit) -> bool:
-    """Whether the index may hold what the worker holds: live, and every group followed."""
-    return not hit.degraded and not hit.stale_groups
+    """Whether the index may hold what the worker holds: live, every group followed, and not
+    stale (behind the bridge, or Kafka silent: a router falls back to its own choice)."""
+    return not hit.degraded and not hit.stale_groups and not hit.stale
 
 
 def routable(hit: WorkerHit) -> bool:

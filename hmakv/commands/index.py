@@ -26,6 +26,11 @@ from hmakv.argtypes import (
 )
 from hmakv.consumers.api import ApiLimits, HashingDefaults
 from hmakv.consumers.follower import MODES, FollowerConfig
+from hmakv.consumers.freshness import (
+    DEFAULT_MAX_BROKER_SILENCE_S,
+    DEFAULT_MAX_WORKER_LAG,
+    FreshnessLimits,
+)
 from hmakv.consumers.index import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_TIER_WEIGHTS
 from hmakv.consumers.service import DEFAULT_HOST, DEFAULT_PORT, IndexService, ServiceConfig
 from hmakv.kvlog.records import Topics
@@ -81,6 +86,7 @@ _snapshot_target.__name__ = "kafka, file:PATH or none"
 
 def register(parser: argparse.ArgumentParser) -> None:
     _add_kafka_options(parser)
+    _add_freshness_options(parser)
     _add_snapshot_options(parser)
     _add_api_options(parser)
     parser.set_defaults(func=run)
@@ -108,6 +114,24 @@ def _add_kafka_options(parser: argparse.ArgumentParser) -> None:
         default="1000",
         help="/readyz answers 200 once caught up with the log ends seen at start, or once at "
         "most this many records are left",
+    )
+
+
+def _add_freshness_options(parser: argparse.ArgumentParser) -> None:
+    add_seconds(
+        parser,
+        "--max-broker-silence",
+        "seconds without an answer from Kafka after which /readyz answers 503 and every worker "
+        "is stale (never best in /v1/score), until Kafka answers again",
+        default=f"{DEFAULT_MAX_BROKER_SILENCE_S:g}",
+    )
+    parser.add_argument(
+        "--max-worker-lag",
+        type=non_negative_int,
+        default=str(DEFAULT_MAX_WORKER_LAG),
+        metavar="SEQS",
+        help="a worker more than this many seqs behind what the bridge forwarded is stale: "
+        "marked so in /v1/score and /v1/workers, and never best",
     )
 
 
@@ -194,6 +218,9 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         tier_weights=dict(args.tier_weight or DEFAULT_TIER_WEIGHTS),
         snapshot_interval_s=args.snapshot_interval,
         ready_max_lag=args.ready_max_lag,
+        freshness=FreshnessLimits(
+            max_broker_silence_s=args.max_broker_silence, max_worker_lag=args.max_worker_lag
+        ),
     )
     return ServiceConfig(
         follower=follower,

@@ -58,6 +58,8 @@ def view(last_seq: dict[int, int], health: str = "live") -> WorkerView:
         bridge_epoch=0,
         bridge_last_seq=None,
         lag_seqs=None,
+        stale=False,
+        applied_age_s=None,
         stale_groups=[],
     )
 

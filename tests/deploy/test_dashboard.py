@@ -61,6 +61,9 @@ METRICS_OF_THE_STORY = (
     "hmakv_index_score_requests_total",
     "hmakv_index_score_hit_tokens_total",
     "hmakv_index_score_best_differs_total",
+    "hmakv_index_broker_silence_seconds",
+    "hmakv_index_worker_stale",
+    "hmakv_index_worker_lag_seqs",
 )
 
 

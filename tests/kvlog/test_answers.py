@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from hmakv.kvlog.answers import WorkerHit, best_worker, group_blind_answer, hma_best
 from hmakv.kvlog.records import Health
 
@@ -27,3 +29,12 @@ def test_the_answers_leave_out_workers_the_index_does_not_follow_wholly() -> Non
     assert hma_best(hits) is hits[1]
     blind = group_blind_answer(hits)
     assert (blind.best, blind.hit_tokens) == ("live", 64)
+
+
+def test_a_stale_worker_is_never_the_best_of_either_answer() -> None:
+    """The index may be behind it (issue 16): a router falls back rather than trust its hit."""
+    stale = msgspec.structs.replace(hit("behind", 128, blind=128), stale=True)
+    hits = [stale, hit("current", 16, blind=64)]
+    assert hma_best(hits) is hits[1]
+    assert group_blind_answer(hits).best == "current"
+    assert hma_best([stale]) is None and group_blind_answer([stale]).best is None
