@@ -69,7 +69,12 @@ from hmakv.consumers.freshness import (
     FreshnessLimits,
     lag_seqs,
 )
-from hmakv.consumers.index import DEFAULT_HASH_BLOCK_SIZE, ApplyOutcome, KVIndex
+from hmakv.consumers.index import (
+    DEFAULT_HASH_BLOCK_SIZE,
+    DEFAULT_MAX_BLOCKS_PER_WORKER,
+    ApplyOutcome,
+    KVIndex,
+)
 from hmakv.consumers.snapshots import (
     SNAPSHOT_FORMAT,
     PartitionOffset,
@@ -123,6 +128,7 @@ class FollowerConfig:
     security: KafkaSecurity | None = None
     hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE
     tier_weights: Mapping[str, float] | None = None
+    max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER
     snapshot_interval_s: float = 60.0
     commit_interval_s: float = 1.0
     ready_max_lag: int = 1000
@@ -140,7 +146,11 @@ class FollowerConfig:
         check_follower_id(self.follower_id)
 
     def new_index(self) -> KVIndex:
-        return KVIndex(hash_block_size=self.hash_block_size, tier_weights=self.tier_weights)
+        return KVIndex(
+            hash_block_size=self.hash_block_size,
+            tier_weights=self.tier_weights,
+            max_blocks_per_worker=self.max_blocks_per_worker,
+        )
 
 
 @dataclass
@@ -766,6 +776,7 @@ class Follower:
             snapshot.index,
             hash_block_size=self.config.hash_block_size,
             tier_weights=self.config.tier_weights,
+            max_blocks_per_worker=self.config.max_blocks_per_worker,
         )
         return snapshot, index
 

@@ -62,6 +62,11 @@ from hmakv.producer.hashing import external
 DEFAULT_HASH_BLOCK_SIZE = 16
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
 INITIAL_LANE_WIDTH = 8  # worker slots per group lane, doubled whenever the fleet outgrows it
+# What one worker may make the index keep: every block is a dict entry of ~100 bytes, and an
+# engine (or whoever poses as one) may say it holds any number. 4M blocks is a 64M-token cache
+# at 16 tokens a block, beyond any one engine's; past it stores are refused and counted.
+DEFAULT_MAX_BLOCKS_PER_WORKER = 4 * 1024 * 1024
+MAX_MEDIA = 16  # vLLM's tiers are GPU, CPU and a few storage media: each one is a table
 
 LaneKey = tuple[int, str]  # (group, medium)
 # A group's last seq before any record: below the -1 of the clear that opens an epoch.
@@ -87,7 +92,9 @@ class IndexCounters(msgspec.Struct, gc=False):
     applied already or from an older epoch; ``sizeless_stores`` stores whose block size or window
     no group can have (vLLM's CPU-offloading stores carry block size 0), whose blocks are kept but
     teach no group spec; ``workers_retired`` workers dropped as retired, and ``retired_ignored``
-    records of a retired worker's life read after it was retired.
+    records of a retired worker's life read after it was retired; ``blocks_refused`` stored
+    blocks not kept, past a worker's ``max_blocks_per_worker`` or on a medium past
+    ``MAX_MEDIA`` (the index then knows less than the engine holds, never more).
     """
 
     stored: int = 0
@@ -102,6 +109,7 @@ class IndexCounters(msgspec.Struct, gc=False):
     sizeless_stores: int = 0
     workers_retired: int = 0
     retired_ignored: int = 0
+    blocks_refused: int = 0
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, gc=False):
@@ -188,10 +196,14 @@ class KVIndex:
         *,
         hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE,
         tier_weights: Mapping[str, float] | None = None,
+        max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER,
     ) -> None:
         if hash_block_size <= 0:
             raise ValueError(f"hash_block_size must be positive, got {hash_block_size}")
+        if max_blocks_per_worker <= 0:
+            raise ValueError(f"max_blocks_per_worker must be positive: {max_blocks_per_worker}")
         self.hash_block_size = hash_block_size
+        self.max_blocks_per_worker = max_blocks_per_worker
         weights = DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights
         self._scorer = Scorer(hash_block_size, weights)
         self._workers: dict[str, _Worker] = {}
@@ -395,6 +407,14 @@ class KVIndex:
             medium = self._media[name] = _Medium()
         return medium
 
+    def _stored_medium(self, name: str) -> _Medium | None:
+        """The medium a store names, made if new and there is room: a medium is any string an
+        engine sends, and each is a table of its own."""
+        medium = self._media.get(name)
+        if medium is None and len(self._media) < MAX_MEDIA:
+            medium = self._media[name] = _Medium()
+        return medium
+
     def _learn_group(self, worker: _Worker, group: int, event: BlockStored) -> None:
         """Learn a group's spec from a store; an explicit chunk size is kept, it never travels."""
         if not has_group_sizes(event):
@@ -442,14 +462,18 @@ class KVIndex:
     def _store(
         self, worker: _Worker, group: int, medium: str, hashes: Sequence[ExternalBlockHash]
     ) -> None:
+        state = self._stored_medium(medium)
+        if state is None:
+            self._counters.blocks_refused += len(hashes)
+            return
         bit = self._lane_bit(worker, group)
         stamp = bit | worker.bit  # the group's lane and lane 0
-        state = self._medium(medium)
+        room = self.max_blocks_per_worker - sum(worker.resident.values())
         owners = state.owners
         held_by = owners.get
         patterns, others = worker.patterns, worker.others
         extra: dict[ExternalBlockHash, int] | None = None
-        added = 0
+        added = refused = 0
         last: int | None = None
         stored = 0
         for block_hash in hashes:
@@ -459,6 +483,9 @@ class KVIndex:
                     extra = state.copies.setdefault((group, worker.slot), {})
                 extra[block_hash] = extra.get(block_hash, 0) + 1
                 continue
+            if added >= room:
+                refused += 1
+                continue
             if held is not last:  # a run of blocks with the same holders shares one new int
                 last = held
                 stored = held | stamp
@@ -466,8 +493,9 @@ class KVIndex:
                     stored = patterns.setdefault(stored, stored)
             owners[block_hash] = stored
             added += 1
-        self._counters.stored += len(hashes)
-        self._counters.duplicate_copies += len(hashes) - added
+        self._counters.stored += len(hashes) - refused
+        self._counters.blocks_refused += refused
+        self._counters.duplicate_copies += len(hashes) - added - refused
         key = (group, medium)
         worker.resident[key] = worker.resident.get(key, 0) + added
 
@@ -684,10 +712,15 @@ class KVIndex:
         *,
         hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE,
         tier_weights: Mapping[str, float] | None = None,
+        max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER,
     ) -> KVIndex:
         """An index in the state ``snapshot`` saved; configuration is the caller's, not saved."""
         saved = index_snapshot.decode(data)
-        index = cls(hash_block_size=hash_block_size, tier_weights=tier_weights)
+        index = cls(
+            hash_block_size=hash_block_size,
+            tier_weights=tier_weights,
+            max_blocks_per_worker=max_blocks_per_worker,
+        )
         index._width = _fitting_width(INITIAL_LANE_WIDTH, saved.slots)
         index._lanes = {group: lane for lane, group in enumerate(saved.lanes, start=1)}
         for worker in saved.workers:

@@ -107,6 +107,12 @@ class IndexCollector(Collector):
             ),
             ("duplicate_copies", counters.duplicate_copies, "Stores of a block already held"),
             (
+                "blocks_refused",
+                counters.blocks_refused,
+                "Stored blocks not kept: past --max-blocks-per-worker, or on a medium past the 16 "
+                "the index keeps (it knows less than the engine holds, never more)",
+            ),
+            (
                 "workers_retired",
                 counters.workers_retired,
                 "Workers dropped because the bridge retired them (they left the fleet)",

@@ -44,6 +44,9 @@ REPLACED_PUBLISHER = "zmq"
 SNAPSHOT_HASHES_PER_STORE = 4096
 """A snapshot's stores list at most this many hashes each: a consumer keeps every hash it is
 told of, so the bridge caps what one event may list, and a large cache is many stores."""
+SNAPSHOT_STORES_PER_CHUNK = 32
+"""Stores per snapshot batch: 131,072 hashes at most, half the bridge's default cap on one
+batch (``EventLimits.max_hashes_per_batch``, 262,144)."""
 VLLM_KV_EVENTS_MODULE = "vllm.distributed.kv_events"
 VLLM_SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
@@ -165,6 +168,7 @@ def create_publisher(
         max_queue_size,
         topic,
         snapshot_provider=lambda: publisher.vllm_snapshot(),
+        snapshot_chunk_events=SNAPSHOT_STORES_PER_CHUNK,
         bind=os.environ.get(BIND_ENV, "").strip() == "1",
         curve=curve_from_environment(),
     )

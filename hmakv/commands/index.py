@@ -31,7 +31,11 @@ from hmakv.consumers.freshness import (
     DEFAULT_MAX_WORKER_LAG,
     FreshnessLimits,
 )
-from hmakv.consumers.index import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_TIER_WEIGHTS
+from hmakv.consumers.index import (
+    DEFAULT_HASH_BLOCK_SIZE,
+    DEFAULT_MAX_BLOCKS_PER_WORKER,
+    DEFAULT_TIER_WEIGHTS,
+)
 from hmakv.consumers.service import DEFAULT_HOST, DEFAULT_PORT, IndexService, ServiceConfig
 from hmakv.kvlog.records import Topics
 from hmakv.producer.hashing import HASH_FUNCTIONS
@@ -178,6 +182,14 @@ def _add_api_options(parser: argparse.ArgumentParser) -> None:
         help=f"weight of a cache tier in the score, repeatable; a medium without a weight is "
         f"not scored (default {default_weights})",
     )
+    add(
+        "--max-blocks-per-worker",
+        type=positive_int,
+        default=str(DEFAULT_MAX_BLOCKS_PER_WORKER),
+        metavar="BLOCKS",
+        help="blocks the index keeps for one worker (~100 bytes each); stores past it are "
+        "refused and counted (hmakv_index_blocks_refused_total)",
+    )
     limits = ApiLimits()
     for option, value, what in (
         ("max-body-bytes", limits.max_body_bytes, "bytes in a request body"),
@@ -216,6 +228,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         security=kafka_security(args),
         hash_block_size=args.block_size,
         tier_weights=dict(args.tier_weight or DEFAULT_TIER_WEIGHTS),
+        max_blocks_per_worker=args.max_blocks_per_worker,
         snapshot_interval_s=args.snapshot_interval,
         ready_max_lag=args.ready_max_lag,
         freshness=FreshnessLimits(

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 from test_index_model import ReferenceIndex
 
-from hmakv.consumers.index import ApplyOutcome, IndexCounters, KVIndex
+from hmakv.consumers.index import MAX_MEDIA, ApplyOutcome, IndexCounters, KVIndex
 from hmakv.kvlog.answers import WorkerHit
 from hmakv.kvlog.records import EventRecord
 from hmakv.producer.events import (
@@ -680,3 +680,29 @@ def test_window_stores_with_fewer_or_no_hashes_than_token_blocks_count_only_thei
     index.apply(record(1, 1, removed([PROMPT[7]], 1)))  # block 7 was never stored in the window
     assert index.counters.anomalies == 1
     assert only(index.score(PROMPT[:11], 11 * B + 1)).hit_tokens == 10 * B
+
+
+def test_a_worker_past_its_block_bound_is_refused_and_counted_and_others_are_not() -> None:
+    """Every block a worker claims is a dict entry (issue 16: a 28.8 MB batch grew the index
+    12x its size): past ``max_blocks_per_worker`` its stores are refused, and the index knows
+    less than the engine holds, never more; removals make room again."""
+    index = KVIndex(hash_block_size=B, max_blocks_per_worker=10)
+    index.apply(record(0, 0, stored(range(8), 0)))
+    index.apply(record(1, 0, stored([*range(6), *range(100, 106)], 0)))  # 6 held, 6 new
+    index.apply(record(0, 0, stored(range(50, 60), 0), worker="w1"))
+    w0, w1 = index.workers()
+    assert w0.resident == {0: {"GPU": 10}} and w1.resident == {0: {"GPU": 10}}
+    assert index.counters.blocks_refused == 4  # 102..105: 100 and 101 took the last room
+    assert index.counters.stored == 8 + 12 + 10 - 4
+    index.apply(record(2, 0, removed([0, 1], 0)))
+    index.apply(record(3, 0, stored([104, 105], 0)))
+    assert index.workers()[0].resident == {0: {"GPU": 10}}
+
+
+def test_media_past_the_index_limit_are_refused_not_kept() -> None:
+    index = KVIndex(hash_block_size=B)
+    for seq in range(MAX_MEDIA + 4):
+        index.apply(record(seq, 0, stored([seq], 0, medium=f"tier-{seq}")))
+    kept = index.workers()[0].resident[0]
+    assert len(kept) == MAX_MEDIA and index.counters.blocks_refused == 4
+    assert "tier-0" in kept and f"tier-{MAX_MEDIA}" not in kept

@@ -447,4 +447,9 @@ def test_a_large_cache_is_snapshotted_in_stores_the_bridge_accepts() -> None:
     )
     expected = Counter({(block % 2, block): 2 if block == 7 else 1 for block in range(10_000)})
     assert listed == expected
-    assert not over_limit(hmakv_events.KVEventBatch(0.0, stores), EventLimits())
+    per_chunk = vllm_plugin.SNAPSHOT_STORES_PER_CHUNK  # the publisher's batches of a snapshot
+    for start in range(0, len(stores), per_chunk):
+        chunk = hmakv_events.KVEventBatch(0.0, stores[start : start + per_chunk])
+        assert over_limit(chunk, EventLimits()) is None
+    worst = [stores[0]] * per_chunk  # a chunk of full stores: what the bridge must still take
+    assert over_limit(hmakv_events.KVEventBatch(0.0, worst), EventLimits()) is None
