@@ -45,6 +45,7 @@ from hmakv.kvlog.kafka_client import (
     KafkaSecurity,
     StartedProducer,
     TopicSpec,
+    check_access,
     ensure_topics,
     start_producer,
 )
@@ -343,10 +344,14 @@ class BridgeService:
     # --- Kafka -----------------------------------------------------------------------------------
 
     async def _connect_kafka(self) -> StartedProducer:
-        """Topics and producer, retried until Kafka answers: the bridge is useless without it."""
+        """Topics and producer, retried until Kafka answers: the bridge is useless without it.
+
+        A broker refusing the security settings is no outage to wait out: ``KafkaRefusedError``
+        ends the start (or, on a producer replaced later, the bridge)."""
         settings = self.settings
         while True:
             try:
+                await check_access(settings.kafka, settings.security)
                 await ensure_topics(
                     settings.kafka,
                     settings.topic_specs(),

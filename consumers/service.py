@@ -17,6 +17,7 @@ from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.metrics import index_registry
 from hmakv.consumers.snapshots import open_store
 from hmakv.consumers.stats import ScoreStats
+from hmakv.kvlog.kafka_client import check_access
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class IndexService:
             self.url,
             self.follower.store.describe() if self.follower.store else "none",
         )
+        # A refusal says why here, once; the follower's clients would only say "unreachable".
+        await check_access(self.config.follower.bootstrap, self.config.follower.security)
         await self.follower.start()
 
     async def stop(self, *, final_snapshot: bool = True) -> None:

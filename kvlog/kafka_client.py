@@ -10,6 +10,11 @@ producer needs: aiokafka's ``start()`` then raises the broker's error (``Unknown
 aiokafka keeps at most one request in flight per broker connection and one batch per partition,
 which is what ``max.in.flight.requests.per.connection=1`` buys in the Java client. It can write a
 retried batch twice, which consumers already tolerate (they skip seqs they have applied).
+
+A broker that refuses the security settings (SASL credentials, a certificate the client does not
+trust) looks like an outage to aiokafka: its clients log the reason and raise "Unable to
+bootstrap", which retrying never cures. ``check_access`` asks one connection first and raises
+``KafkaRefusedError`` with the reason, so the services can stop with one line that says it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,9 +30,11 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.conn import collect_hosts, create_conn
 from aiokafka.errors import (
     BrokerResponseError,
     IllegalSaslStateError,
+    KafkaError,
     SaslAuthenticationFailed,
     TopicAlreadyExistsError,
     UnsupportedSaslMechanismError,
@@ -58,6 +66,9 @@ _AUTHENTICATION_ERRORS = (
     UnsupportedSaslMechanismError,
     IllegalSaslStateError,
 )
+_ACCESS_CHECK_TIMEOUT_MS = 10_000
+# TLS errors that say the connection went away, not that either side refused the other.
+_TLS_CUT_SHORT = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,63 @@ class KafkaSecurity:
 
 def _security_kwargs(security: KafkaSecurity | None) -> dict[str, Any]:
     return (security or KafkaSecurity()).client_kwargs()
+
+
+class KafkaRefusedError(Exception):
+    """A broker refused the security settings: the SASL login, or the TLS handshake (its
+    certificate not trusted, say). Unlike an outage, waiting cannot help; the message says what
+    was refused, never the password."""
+
+
+async def check_access(bootstrap: str, security: KafkaSecurity | None = None) -> None:
+    """Connect to the first bootstrap server that answers, as every client will, and raise
+    ``KafkaRefusedError`` if it refuses the settings.
+
+    Returns once one accepts them, and also when none answers at all: an outage, which the
+    caller's own clients then report or wait out as they always have. Plaintext has nothing to
+    refuse: no connection is made for it.
+    """
+    settings = security or KafkaSecurity()
+    if not (settings.uses_ssl or settings.uses_sasl):
+        return
+    kwargs = settings.client_kwargs()  # an unreadable CA file fails here, as in every client
+    for host, port, _ in collect_hosts(bootstrap, randomize=False):
+        try:
+            connection = await create_conn(
+                host,
+                port,
+                client_id="hmakv-access-check",
+                request_timeout_ms=_ACCESS_CHECK_TIMEOUT_MS,
+                **kwargs,
+            )
+        except _TLS_CUT_SHORT:
+            continue  # the connection ended mid-handshake (a broker going down): an outage
+        except (*_AUTHENTICATION_ERRORS, ssl.SSLError) as refusal:
+            raise KafkaRefusedError(_refusal(f"{host}:{port}", settings, refusal)) from None
+        except (OSError, TimeoutError, KafkaError):
+            continue  # not listening, or not answering: try the next one
+        connection.close()
+        return
+
+
+def _refusal(server: str, security: KafkaSecurity, error: Exception) -> str:
+    """One line: where, what was refused, and the setting to look at."""
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (
+            f"Kafka at {server}: its certificate was not accepted ({error.verify_message}); "
+            f"--kafka-ssl-cafile (HMAKV_KAFKA_SSL_CAFILE) must hold the CA that signed it"
+        )
+    if isinstance(error, ssl.SSLError):
+        return f"Kafka at {server}: the TLS handshake failed ({error.reason or error})"
+    if isinstance(error, UnsupportedSaslMechanismError):
+        return (
+            f"Kafka at {server} does not offer SASL {security.sasl_mechanism} ({error}); "
+            f"check --kafka-sasl-mechanism (HMAKV_KAFKA_SASL_MECHANISM)"
+        )
+    return (
+        f"Kafka at {server} refused the SASL {security.sasl_mechanism} login of user "
+        f"{security.sasl_plain_username!r} ({error}); check the user name and the password"
+    )
 
 
 @dataclass(frozen=True)

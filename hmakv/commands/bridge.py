@@ -3,7 +3,8 @@
 Wiring only: flags (or their variables) into ``BridgeSettings`` and engine configs, signals
 into the service's life cycle (SIGTERM/SIGINT: deliver what is queued and stop; SIGHUP: reload
 the ``--engines`` file). Exit codes: 0 after a clean stop, 1 after a failure that stopped forwarding
-(a bug; restarted, the bridge resumes where it was), 2 for a configuration that cannot run.
+(a bug; restarted, the bridge resumes where it was), 2 for a configuration that cannot run,
+security settings Kafka refuses among them (a wrong password, an untrusted certificate).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from hmakv.bridge.config import (
 from hmakv.bridge.frames import EventLimits
 from hmakv.bridge.service import BridgeService, BridgeSettings, check_topology
 from hmakv.bridge.tracking import DEFAULT_MAX_BUFFERED
+from hmakv.kvlog.kafka_client import KafkaRefusedError
 from hmakv.kvlog.logs import JsonFormatter
 
 log = logging.getLogger("hmakv.bridge")
@@ -362,7 +364,7 @@ async def _serve(
         if (error := starting.exception()) is not None:  # --listen's port taken, say
             log.critical("the bridge did not start: %s", error)
             await service.stop()
-            return EXIT_CRASHED
+            return EXIT_BAD_CONFIG if isinstance(error, KafkaRefusedError) else EXIT_CRASHED
         tune_garbage_collector()
         await asyncio.wait([stopped, crashed], return_when="FIRST_COMPLETED")
     else:

@@ -2,6 +2,8 @@
 
 Wiring only: the follower, the API and the exporter live in ``consumers``. SIGTERM and SIGINT
 stop it cleanly: applied offsets committed (group mode), a final snapshot, clients closed.
+Exit codes: 0 after a clean stop, 1 after a failure (Kafka out of reach, say), 2 for a
+configuration that cannot run, security settings Kafka refuses among them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from hmakv.consumers.index import (
     DEFAULT_TIER_WEIGHTS,
 )
 from hmakv.consumers.service import DEFAULT_HOST, DEFAULT_PORT, IndexService, ServiceConfig
+from hmakv.kvlog.kafka_client import KafkaRefusedError
 from hmakv.kvlog.records import Topics
 from hmakv.producer.hashing import HASH_FUNCTIONS
 
@@ -259,6 +262,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_USAGE
     try:
         asyncio.run(_serve(config))
+    except KafkaRefusedError as exc:  # a wrong password or CA: restarting cannot help
+        log.error("the index did not start: %s", exc)
+        return EXIT_BAD_USAGE
     except KafkaConnectionError as exc:  # an outage, not a bug: one line, for its supervisor
         log.error("the index stopped: %s (Kafka at %s)", exc, config.follower.bootstrap)
         return EXIT_RUNTIME_FAILURE

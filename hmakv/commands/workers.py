@@ -5,8 +5,9 @@ llm-d pod replaced at ``--max-workers``. A worker whose bridge went away with it
 through a restart with fewer ``--engine`` flags, has no one to say so: ``retire`` writes its
 latest state again as ``retired``, and consumers drop it and ignore its records of that epoch.
 ``forget`` writes a tombstone, once the events topic holds none of the worker's records (after
-its retention), so that the compacted topic forgets it too. Exit codes: 0 done, 1 Kafka failed,
-2 bad usage or a worker the topic does not know.
+its retention), so that the compacted topic forgets it too. Exit codes: 0 done, 1 Kafka failed
+(out of reach), 2 bad usage, security settings Kafka refuses (a wrong password, an untrusted
+certificate) or a worker the topic does not know.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from aiokafka.errors import KafkaError
 
 from hmakv.argtypes import add_command, add_kafka_options, kafka_security
 from hmakv.bridge.resume import read_worker_states
-from hmakv.kvlog.kafka_client import KafkaSecurity, start_producer, topic_partitions
+from hmakv.kvlog.kafka_client import (
+    KafkaRefusedError,
+    KafkaSecurity,
+    check_access,
+    start_producer,
+    topic_partitions,
+)
 from hmakv.kvlog.records import RETIRED, Topics, WorkerState, encode
 from hmakv.producer.events import GroupSpec
 
@@ -83,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         return asyncio.run(_run(args, security))
-    except WorkersError as error:
+    except (WorkersError, KafkaRefusedError) as error:
         print(f"hmakv workers: {error}", file=sys.stderr)
         return EXIT_USAGE
     except (KafkaError, OSError) as error:
@@ -93,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _run(args: argparse.Namespace, security: KafkaSecurity) -> int:
     topic = Topics(args.topic_prefix).workers
+    await check_access(args.kafka, security)
     partitions = await topic_partitions(args.kafka, topic, security)
     if not partitions:
         raise WorkersError(f"no topic {topic} (no bridge has run with this prefix)")

@@ -12,6 +12,7 @@ from hmakv.kafka.broker import (
 )
 from hmakv.kafka.jars import JarFetchError, cache_dir, fetch_jars, jars_dir, kafka_version
 from hmakv.kafka.probe import broker_answers
+from hmakv.kafka.secured import SecuredListeners
 from hmakv.kafka.state import (
     BrokerDist,
     DetachedBroker,
@@ -30,6 +31,7 @@ __all__ = [
     "DetachedBroker",
     "JarFetchError",
     "LocalBroker",
+    "SecuredListeners",
     "StateFileError",
     "StateLockError",
     "TansuBroker",

@@ -38,6 +38,7 @@ from hmakv.kafka.process import (
     start_time,
     stop_group,
 )
+from hmakv.kafka.secured import SecuredListeners
 from hmakv.kafka.state import BrokerDist, DetachedBroker
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
@@ -99,7 +100,8 @@ class LocalBroker(ABC):
 
     @property
     def bootstrap(self) -> str:
-        """``127.0.0.1:PORT``, what clients pass as bootstrap servers."""
+        """``127.0.0.1:PORT``, what clients pass as bootstrap servers (a secured Apache
+        broker's SSL listener)."""
         return f"{LOOPBACK}:{self._port}"
 
     @property
@@ -231,11 +233,11 @@ class LocalBroker(ABC):
         """Whether our broker answers: alive and holding the listener that did. The port may
         have been taken after the check in ``_launch``, and that listener answers as well while
         ours starts or dies on it."""
-        return (
-            broker_answers(self.bootstrap)
-            and process.poll() is None
-            and listens_on(process.pid, self._port)
-        )
+        return self._probe() and process.poll() is None and listens_on(process.pid, self._port)
+
+    def _probe(self) -> bool:
+        """Whether ``bootstrap`` answers metadata, in the protocol its listener speaks."""
+        return broker_answers(self.bootstrap)
 
     def _start_error(self, what_happened: str) -> BrokerStartError:
         """The log tail goes into the message: a temporary data dir is gone once start fails."""
@@ -246,21 +248,63 @@ class LocalBroker(ABC):
 
 
 class ApacheKafkaBroker(LocalBroker):
-    """Apache Kafka in KRaft mode, one node acting as both broker and controller."""
+    """Apache Kafka in KRaft mode, one node acting as both broker and controller.
+
+    Its client listener is PLAINTEXT on ``port``; with ``secured`` it is SSL there instead, plus
+    SASL_SSL on a port of its own (``sasl_ssl_bootstrap``) when there are SCRAM users. Only the
+    controller listener, which KRaft needs and only the broker itself talks to, stays plaintext.
+    """
 
     dist = BrokerDist.APACHE
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        data_dir: Path | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        secured: SecuredListeners | None = None,
+    ) -> None:
+        super().__init__(port=port, data_dir=data_dir, startup_timeout_s=startup_timeout_s)
+        self._secured = secured
+        self._sasl_ssl_port = free_port() if secured and secured.scram_users else None
+
+    @property
+    def sasl_ssl_bootstrap(self) -> str:
+        """``127.0.0.1:PORT`` of the SASL_SSL (SCRAM-SHA-512) listener."""
+        if self._sasl_ssl_port is None:
+            raise RuntimeError("this broker has no SASL_SSL listener (it has no SCRAM users)")
+        return f"{LOOPBACK}:{self._sasl_ssl_port}"
 
     def _prepare(self, data_dir: Path) -> list[str]:
         java = _require_java()
         classpath = f"{fetch_jars()}/*"
         server_properties = data_dir / "server.properties"
-        server_properties.write_text(_server_properties(self._port, free_port(), data_dir))
+        settings = _server_settings(self._listeners(), free_port(), data_dir)
+        if self._secured is not None:
+            settings.update(self._secured.server_settings())
+        server_properties.write_text("".join(f"{key}={value}\n" for key, value in settings.items()))
         log4j_config = data_dir / "log4j2.properties"
         log4j_config.write_text(_LOG4J2_PROPERTIES)
         jvm = [java, f"-Dlog4j2.configurationFile={log4j_config}", "-cp", classpath]
         if not (_kraft_log_dir(data_dir) / "meta.properties").exists():
-            _format_storage([*jvm, *_STORAGE_TOOL_FLAGS], server_properties)
+            users = [] if self._secured is None else self._secured.storage_arguments()
+            _format_storage([*jvm, *_STORAGE_TOOL_FLAGS], server_properties, users)
         return [*jvm, *_JVM_FLAGS, "kafka.Kafka", str(server_properties)]
+
+    def _listeners(self) -> dict[str, int]:
+        """Each client listener's port by its name, which is its security protocol too; the
+        first is ``bootstrap``'s, and the one the broker names for its own connections."""
+        if self._secured is None:
+            return {"PLAINTEXT": self._port}
+        listeners = {"SSL": self._port}
+        if self._sasl_ssl_port is not None:
+            listeners["SASL_SSL"] = self._sasl_ssl_port
+        return listeners
+
+    def _probe(self) -> bool:
+        cafile = None if self._secured is None else self._secured.truststore
+        return broker_answers(self.bootstrap, ssl_cafile=cafile)
 
 
 def _require_java() -> str:
@@ -270,17 +314,22 @@ def _require_java() -> str:
     return java
 
 
-def _server_properties(port: int, controller_port: int, data_dir: Path) -> str:
-    """A single-node KRaft config whose internal topics fit one replica."""
+def _server_settings(
+    listeners: dict[str, int], controller_port: int, data_dir: Path
+) -> dict[str, str]:
+    """A single-node KRaft config whose internal topics fit one replica; ``listeners`` are the
+    client listeners, each named after its security protocol."""
+    advertised = ",".join(f"{name}://{LOOPBACK}:{port}" for name, port in listeners.items())
+    protocols = ",".join(f"{name}:{name}" for name in listeners)
     settings = {
         "process.roles": "broker,controller",
         "node.id": "1",
         "controller.quorum.voters": f"1@{LOOPBACK}:{controller_port}",
-        "listeners": f"PLAINTEXT://{LOOPBACK}:{port},CONTROLLER://{LOOPBACK}:{controller_port}",
-        "advertised.listeners": f"PLAINTEXT://{LOOPBACK}:{port}",
+        "listeners": f"{advertised},CONTROLLER://{LOOPBACK}:{controller_port}",
+        "advertised.listeners": advertised,
         "controller.listener.names": "CONTROLLER",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "inter.broker.listener.name": next(iter(listeners)),
+        "listener.security.protocol.map": f"{protocols},CONTROLLER:PLAINTEXT",
         "log.dirs": str(_kraft_log_dir(data_dir)),
         "num.partitions": "1",
         "auto.create.topics.enable": "true",
@@ -291,15 +340,16 @@ def _server_properties(port: int, controller_port: int, data_dir: Path) -> str:
         "share.coordinator.state.topic.min.isr": "1",
         "group.initial.rebalance.delay.ms": "0",
     }
-    return "".join(f"{key}={value}\n" for key, value in settings.items())
+    return settings
 
 
 def _kraft_log_dir(data_dir: Path) -> Path:
     return data_dir / "kraft-logs"
 
 
-def _format_storage(jvm: list[str], server_properties: Path) -> None:
-    """Format a new KRaft log dir (a reused one keeps its cluster id, which a format would not)."""
+def _format_storage(jvm: list[str], server_properties: Path, options: list[str]) -> None:
+    """Format a new KRaft log dir (a reused one keeps its cluster id, which a format would not);
+    ``options`` go to the storage tool too (SCRAM users)."""
     command = [
         *jvm,
         "kafka.tools.StorageTool",
@@ -308,6 +358,7 @@ def _format_storage(jvm: list[str], server_properties: Path) -> None:
         _new_cluster_id(),
         "--config",
         str(server_properties),
+        *options,
     ]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:

@@ -8,25 +8,40 @@ so that waiting for a starting broker does not fill the log with aiokafka's conn
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 from aiokafka import AIOKafkaClient
 from aiokafka.errors import KafkaError
+from aiokafka.helpers import create_ssl_context
 
 from hmakv.kafka.process import port_accepts
 
 _PROBE_TIMEOUT_MS = 5000
 
 
-def broker_answers(bootstrap: str) -> bool:
-    """Whether the broker at ``host:port`` answers metadata; blocks, so not for event loops."""
+def broker_answers(bootstrap: str, *, ssl_cafile: Path | None = None) -> bool:
+    """Whether the broker at ``host:port`` answers metadata; blocks, so not for event loops.
+
+    With ``ssl_cafile`` the listener is asked over TLS, trusting that CA: a broker whose only
+    client listener is SSL has no plaintext one to ask.
+    """
     host, _, port = bootstrap.rpartition(":")
     if not port_accepts(host, int(port)):
         return False
-    return asyncio.run(_metadata_lists_a_broker(bootstrap))
+    return asyncio.run(_metadata_lists_a_broker(bootstrap, ssl_cafile))
 
 
-async def _metadata_lists_a_broker(bootstrap: str) -> bool:
-    client = AIOKafkaClient(bootstrap_servers=bootstrap, request_timeout_ms=_PROBE_TIMEOUT_MS)
+async def _metadata_lists_a_broker(bootstrap: str, ssl_cafile: Path | None) -> bool:
+    tls: dict[str, Any] = {}
+    if ssl_cafile is not None:
+        tls = {
+            "security_protocol": "SSL",
+            "ssl_context": create_ssl_context(cafile=str(ssl_cafile)),
+        }
+    client = AIOKafkaClient(
+        bootstrap_servers=bootstrap, request_timeout_ms=_PROBE_TIMEOUT_MS, **tls
+    )
     try:
         await client.bootstrap()
         return bool(client.cluster.brokers())
