@@ -41,6 +41,7 @@ class RejectReason(enum.Enum):
     LOOKAHEAD_OVER_LIMIT = "lookahead_over_limit"
     WORKER_UNKNOWN = "worker_unknown"
     KEY_MISMATCH = "key_mismatch"  # CURVE: the topic is a worker's, the sender's key is not
+    JOIN_RATE_EXCEEDED = "join_rate_exceeded"  # --max-joins-per-minute, one source's
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from hmakv.bridge.config import EngineConfig, WorkerAddress
+from hmakv.bridge.frames import RejectReason
 from hmakv.kvlog.records import worker_id
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 # A worker named by topic that has sent nothing for this long may give its place to a new one at
 # --max-workers: llm-d replaces pods under new names, and the old ones never publish again.
 RETIRE_SILENT_AFTER_S = 300.0
+# New workers one source may name by topic per minute (--max-joins-per-minute): a fleet's pods
+# come up a few at a time, and a burst past it only waits.
+DEFAULT_JOINS_PER_MINUTE = 120
 
 Channel = TypeVar("Channel")
 
@@ -81,10 +85,47 @@ class _Joined:
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a message has no channel; ``wrong_key``: its topic is known, but not from its sender."""
+    """Why a message has no channel, as the dead letter's reason and detail say it."""
 
     detail: str
-    wrong_key: bool = False
+    reason: RejectReason = RejectReason.WORKER_UNKNOWN
+
+
+class JoinRate:
+    """A token bucket per source: at most ``per_minute`` joins a minute, as many at once.
+
+    The source is the sender's CURVE key, or without CURVE the bound socket as a whole (None):
+    ZMQ names no peer then. Without a bound, one source could fill ``--max-workers`` with made-up
+    workers in a moment and keep real new pods out. Full buckets are forgotten, so the table
+    holds only sources that joined within the last minute.
+    """
+
+    def __init__(self, per_minute: int, clock: Callable[[], float]) -> None:
+        self._capacity = float(per_minute)
+        self._per_second = per_minute / 60.0
+        self._clock = clock
+        self._buckets: dict[bytes | None, tuple[float, float]] = {}  # tokens, when
+
+    def take(self, source: bytes | None) -> bool:
+        """Whether the source may join one more worker now (and count it)."""
+        now = self._clock()
+        tokens, when = self._buckets.get(source, (self._capacity, now))
+        tokens = min(self._capacity, tokens + (now - when) * self._per_second)
+        if tokens < 1.0:
+            self._buckets[source] = (tokens, now)
+            return False
+        self._buckets[source] = (tokens - 1.0, now)
+        if len(self._buckets) > 1024:
+            self._forget_full(now)
+        return True
+
+    def _forget_full(self, now: float) -> None:
+        refill = self._per_second
+        self._buckets = {
+            source: (tokens, when)
+            for source, (tokens, when) in self._buckets.items()
+            if tokens + (now - when) * refill < self._capacity
+        }
 
 
 class BoundRoster(Generic[Channel]):
@@ -109,6 +150,7 @@ class BoundRoster(Generic[Channel]):
         max_workers: int,
         convention: TopicConvention | None = None,
         join_keys: frozenset[bytes] | None = None,
+        joins_per_minute: int = DEFAULT_JOINS_PER_MINUTE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._channels = channels
@@ -121,6 +163,8 @@ class BoundRoster(Generic[Channel]):
         self._by_topic: dict[bytes, EngineConfig] = {}
         self._joined: dict[str, _Joined] = {}
         self._admitted = join_keys or frozenset()  # replaced whole: the ZAP thread reads it
+        self._joins_per_minute = joins_per_minute
+        self._join_rate = JoinRate(joins_per_minute, clock)
 
     def add(self, engine: EngineConfig) -> None:
         """A configured engine that connects to the bound socket: known by its topic."""
@@ -176,7 +220,8 @@ class BoundRoster(Generic[Channel]):
     @staticmethod
     def _wrong_key(owner: str, topic: bytes, sender: bytes | None) -> Refusal:
         key = (sender or b"").decode("ascii", "replace")
-        return Refusal(f"topic {topic!r} is {owner}'s, sent by another key ({key})", True)
+        detail = f"topic {topic!r} is {owner}'s, sent by another key ({key})"
+        return Refusal(detail, RejectReason.KEY_MISMATCH)
 
     def _configured(self, engine: EngineConfig, rank: int | None) -> Channel | Refusal:
         address = engine.worker_for_rank(rank)
@@ -203,6 +248,9 @@ class BoundRoster(Generic[Channel]):
             return Refusal(f"worker {worker!r} is a configured engine with another topic")
         if self._join_keys is not None and sender not in self._join_keys:
             return self._wrong_key("no configured engine", topic, sender)
+        if not self._join_rate.take(sender):  # first: a join refused here retires no one
+            detail = f"more than {self._joins_per_minute} new workers a minute from one source"
+            return Refusal(detail, RejectReason.JOIN_RATE_EXCEEDED)
         if len(self._joined) >= self._max_workers and not self._retire_silent():
             return Refusal(f"more than {self._max_workers} workers named by topic (--max-workers)")
         self._joined[worker] = _Joined(instance, self._clock(), sender)

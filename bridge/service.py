@@ -37,7 +37,7 @@ from hmakv.bridge.intake import Intake
 from hmakv.bridge.metrics import BridgeMetrics
 from hmakv.bridge.relay import WorkerRelay
 from hmakv.bridge.resume import read_worker_states
-from hmakv.bridge.roster import LLMD_TOPICS, BoundRoster
+from hmakv.bridge.roster import DEFAULT_JOINS_PER_MINUTE, LLMD_TOPICS, BoundRoster
 from hmakv.bridge.sink import KafkaSink
 from hmakv.bridge.source import BoundSource, ConnectedSource, SourceState, SubscriberDeps
 from hmakv.bridge.tracking import DEFAULT_MAX_BUFFERED, ResumePoint, SequenceTracker
@@ -81,6 +81,7 @@ class BridgeSettings:
     limits: EventLimits = field(default_factory=EventLimits)
     max_record_bytes: int = 8 * 1024 * 1024
     max_workers: int = 1024
+    max_joins_per_minute: int = DEFAULT_JOINS_PER_MINUTE  # per source, joins by topic
     join_by_topic: bool = False  # engines not configured may join on --bind-sub (llm-d's topics)
     state_interval: float = 1.0
     # Chunks sent before the oldest is acknowledged (idempotent producer). aiokafka keeps one
@@ -142,6 +143,7 @@ class BridgeService:
             max_workers=settings.max_workers,
             convention=LLMD_TOPICS if settings.join_by_topic else None,
             join_keys=settings.join_keys if settings.curve_keys is not None else None,
+            joins_per_minute=settings.max_joins_per_minute,
         )
         self._gate: CurveGate | None = None
         # The workers topic as read at start (and on reload), with the workers retired since:

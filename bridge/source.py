@@ -26,7 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from hmakv.bridge.channel import SourceSettings, WorkerChannel
 from hmakv.bridge.deadletter import DeadLetterOffice
-from hmakv.bridge.frames import Rejected, RejectReason, decode_payload, split_live
+from hmakv.bridge.frames import Rejected, decode_payload, split_live
 from hmakv.bridge.intake import Intake
 from hmakv.bridge.metrics import BridgeMetrics
 from hmakv.bridge.readable import Readable, take_one, take_one_with_sender
@@ -269,8 +269,7 @@ class BoundSource(_Subscriber):
             return
         channel = self._roster.route(message.topic, decoded.batch.data_parallel_rank, sender)
         if isinstance(channel, Refusal):
-            reason = RejectReason.KEY_MISMATCH if channel.wrong_key else RejectReason.WORKER_UNKNOWN
-            refused = Rejected(reason, channel.detail, frames, message.seq)
+            refused = Rejected(channel.reason, channel.detail, frames, message.seq)
             self._office.reject(_topic_name(message), refused)
             return
         self._touched.add(channel)

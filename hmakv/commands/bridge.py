@@ -36,6 +36,7 @@ from hmakv.bridge.config import (
     parse_engine_flags,
 )
 from hmakv.bridge.frames import EventLimits
+from hmakv.bridge.roster import DEFAULT_JOINS_PER_MINUTE
 from hmakv.bridge.service import BridgeService, BridgeSettings, check_topology
 from hmakv.bridge.tracking import DEFAULT_MAX_BUFFERED
 from hmakv.kvlog.kafka_client import KafkaRefusedError
@@ -230,6 +231,13 @@ def _add_flow_options(parser: argparse.ArgumentParser) -> None:
         "for 5 minutes",
     )
     add(
+        "--max-joins-per-minute",
+        type=positive_int,
+        default=str(DEFAULT_JOINS_PER_MINUTE),
+        help="new workers one source (a CURVE key; without CURVE the whole socket) may name by "
+        "topic a minute; more are dead-lettered as join_rate_exceeded",
+    )
+    add(
         "--max-payload-bytes",
         type=positive_int,
         default=str(64 * 1024 * 1024),
@@ -302,6 +310,7 @@ def _settings(args: argparse.Namespace) -> BridgeSettings:
         ),
         max_record_bytes=args.max_record_bytes,
         max_workers=args.max_workers,
+        max_joins_per_minute=args.max_joins_per_minute,
         join_by_topic=args.join_by_topic,
         state_interval=args.state_interval,
         shutdown_timeout=args.shutdown_timeout,

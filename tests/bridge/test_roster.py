@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from hmakv.bridge.config import EngineConfig, WorkerAddress
+from hmakv.bridge.frames import RejectReason
 from hmakv.bridge.roster import (
     LLMD_TOPICS,
     RETIRE_SILENT_AFTER_S,
@@ -26,6 +27,7 @@ class Owner:
         max_workers: int = 8,
         convention: TopicConvention | None = LLMD_TOPICS,
         join_keys: frozenset[bytes] | None = None,
+        joins_per_minute: int = 1000,
     ) -> None:
         self.now = 0.0
         self.channels: dict[str, str] = {}
@@ -38,6 +40,7 @@ class Owner:
             max_workers=max_workers,
             convention=convention,
             join_keys=join_keys,
+            joins_per_minute=joins_per_minute,
             clock=lambda: self.now,
         )
 
@@ -210,7 +213,7 @@ def test_with_curve_a_configured_topic_is_taken_only_from_its_engines_key() -> N
     owner.configure(bound("b", "kv-b", key=KEY_B))
     assert owner.route(b"kv-a", 0, KEY_A) == "a"
     refused = owner.roster.route(b"kv-a", 0, KEY_B)  # engine b posing as engine a
-    assert isinstance(refused, Refusal) and refused.wrong_key
+    assert isinstance(refused, Refusal) and refused.reason is RejectReason.KEY_MISMATCH
     assert "engine 'a'" in refused.detail and KEY_B.decode() in refused.detail
     assert owner.roster.sole_channel(b"kv-a", KEY_B) is None  # b's garbage cannot clear a
     assert owner.roster.sole_channel(b"kv-a", KEY_A) == "a"
@@ -225,9 +228,25 @@ def test_with_curve_workers_join_by_topic_only_from_join_keys_and_stay_theirs() 
     owner.configure(bound("a", "kv-a", key=KEY_A))
     assert owner.roster.admits(KEY_POD) and owner.roster.admits(KEY_A)
     refused = owner.roster.route(b"kv@pod-1@m", 0, KEY_A)  # an engine's key is no join key
-    assert isinstance(refused, Refusal) and refused.wrong_key and owner.joined == []
+    assert (
+        isinstance(refused, Refusal)
+        and refused.reason is RejectReason.KEY_MISMATCH
+        and owner.joined == []
+    )
     assert owner.route(b"kv@pod-1@m", 0, KEY_POD) == "pod-1"
     assert owner.route(b"kv@pod-1@m", 0, KEY_POD) == "pod-1"
     taken = owner.roster.route(b"kv@pod-1@m", 0, KEY_POD2)  # another join key on pod-1's topic
-    assert isinstance(taken, Refusal) and taken.wrong_key
+    assert isinstance(taken, Refusal) and taken.reason is RejectReason.KEY_MISMATCH
     assert owner.route(b"kv@pod-2@m", 0, KEY_POD2) == "pod-2"
+
+
+def test_one_source_joins_at_most_its_rate_and_others_are_not_held_up() -> None:
+    owner = Owner(join_keys=frozenset({KEY_POD, KEY_POD2}), joins_per_minute=3)
+    assert [owner.route(f"kv@p{i}@m".encode(), 0, KEY_POD) for i in range(3)] == ["p0", "p1", "p2"]
+    refused = owner.roster.route(b"kv@p3@m", 0, KEY_POD)
+    assert isinstance(refused, Refusal) and refused.reason is RejectReason.JOIN_RATE_EXCEEDED
+    assert owner.route(b"kv@q0@m", 0, KEY_POD2) == "q0"  # another source has its own bucket
+    assert owner.route(b"kv@p0@m", 0, KEY_POD) == "p0"  # joined workers are not joins
+    owner.now += 20.0  # a third of a minute: one more join
+    assert owner.route(b"kv@p3@m", 0, KEY_POD) == "p3"
+    assert isinstance(owner.roster.route(b"kv@p4@m", 0, KEY_POD), Refusal)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,10 +86,17 @@ class Fleet:
 
 
 def start_fleet(
-    specs: Sequence[ServerSpec], bootstrap: str, topic_prefix: str, workdir: Path
+    specs: Sequence[ServerSpec],
+    bootstrap: str,
+    topic_prefix: str,
+    workdir: Path,
+    *,
+    bridge_options: Sequence[str] = (),
+    public_keys: Mapping[str, Path] | None = None,
 ) -> Fleet:
     """Servers first (they take a minute), then the bridge and the index; returns once every
-    service answers. Raises with the failing service's log tail."""
+    service answers. Raises with the failing service's log tail. ``bridge_options`` go on the
+    bridge's command line, ``public_keys`` (server name -> certificate) into its engines file."""
     vllm_python()  # fails with "run scripts/setup-vllm" when vLLM is not set up
     children = Children(workdir)
     try:
@@ -97,12 +104,13 @@ def start_fleet(
         bridge_url = f"http://{LOOPBACK}:{free_port()}"
         index_url = f"http://{LOOPBACK}:{free_port()}"
         engines_file = workdir / "engines.toml"
-        engines_file.write_text(_engines_toml(servers))
+        engines_file.write_text(_engines_toml(servers, public_keys or {}))
         children.spawn(
             BRIDGE_LISTEN,
             [
                 *hmakv_command(), "bridge", "--kafka", bootstrap, "--topic-prefix", topic_prefix,
                 "--engines", str(engines_file), "--listen", bridge_url.removeprefix("http://"),
+                *bridge_options,
             ],
         )  # fmt: skip
         children.spawn(
@@ -133,10 +141,11 @@ def _spawn_server(children: Children, spec: ServerSpec) -> Server:
     return Server(spec, ports, children.spawn(spec.name, argv))
 
 
-def _engines_toml(servers: Sequence[Server]) -> str:
+def _engines_toml(servers: Sequence[Server], public_keys: Mapping[str, Path]) -> str:
     return "\n".join(
         f'[[engines]]\nname = {json.dumps(s.spec.name)}\nendpoint = "{s.events}"\n'
         f'replay = "{s.replay}"\ntopic = "{DEFAULT_TOPIC}"\n'
+        + (f"public_key = {json.dumps(str(public_keys[s.spec.name]))}\n" if public_keys else "")
         for s in servers
     )
 
