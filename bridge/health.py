@@ -3,7 +3,10 @@
 ``/healthz`` answers while the process runs (a liveness probe restarts a hung bridge, nothing
 else). ``/readyz`` answers 200 only while Kafka answers and every source is connected or has
 explicitly failed (a bad endpoint will not get better by waiting), with the details as JSON, so
-that "the bridge is up but forwards nothing" is visible to whoever deploys it.
+that "the bridge is up but forwards nothing" is visible to whoever deploys it. Served as the
+index's API is (``kvlog.web.serve``): idle and half-sent connections closed after 10 s,
+malformed requests logged once per 10 s. There is nothing to bound beyond that: every path is a
+probe or a scrape, cheap and never refused.
 """
 
 from __future__ import annotations
@@ -51,11 +54,3 @@ def health_app(readiness: Callable[[], Readiness], registry: CollectorRegistry) 
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     return app
-
-
-async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Start serving; the caller stops with ``runner.cleanup()``."""
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner

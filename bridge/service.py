@@ -32,7 +32,7 @@ from hmakv.bridge.channel import SourceSettings, WorkerChannel
 from hmakv.bridge.config import ConfigError, EngineConfig, WorkerAddress
 from hmakv.bridge.deadletter import DeadLetterOffice
 from hmakv.bridge.frames import EventLimits
-from hmakv.bridge.health import Readiness, health_app, serve
+from hmakv.bridge.health import Readiness, health_app
 from hmakv.bridge.intake import Intake
 from hmakv.bridge.metrics import BridgeMetrics
 from hmakv.bridge.relay import WorkerRelay
@@ -50,6 +50,7 @@ from hmakv.kvlog.kafka_client import (
     start_producer,
 )
 from hmakv.kvlog.records import DEFAULT_TOPIC_PREFIX, RETIRED, Topics, WorkerState
+from hmakv.kvlog.web import serve
 from hmakv.producer.curve import CurveGate, KeyPair
 from hmakv.producer.events import DEFAULT_MAX_PAYLOAD_BYTES
 from hmakv.producer.protocol import offset_endpoint_port

@@ -9,13 +9,15 @@ structs and the demo decodes them, so the three share one definition.
 Every error, aiohttp's own (404, 405, 413) included, is a JSON body ``{"error": "..."}``. With
 an access token configured, ``/v1/score`` and ``/v1/workers`` want ``Authorization: Bearer
 <token>`` (compared in constant time; 401 otherwise), while health, readiness, metrics and the
-document stay open to probes and scrapers. At most ``max_concurrent`` requests are served at once,
-the rest answered 429 with ``Retry-After`` at once: a flood must not queue up in front of the
-follower's event loop, which applies the log.
+document stay open to probes and scrapers. At most ``max_concurrent`` requests are served at once
+(probes aside), the rest answered 429 with ``Retry-After`` at once: a flood must not queue up in
+front of the follower's event loop, which applies the log. A body not read within
+``read_timeout`` is 408; ``kvlog.web`` closes idle connections and quiets aiohttp's log.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import time
@@ -25,6 +27,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
@@ -40,6 +43,7 @@ from hmakv.kvlog.answers import (
     group_blind_answer,
     hma_best,
 )
+from hmakv.kvlog.web import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONCURRENT, concurrency_gate
 from hmakv.producer.events import ExternalBlockHash
 from hmakv.producer.hashing import (
     HASH_FUNCTIONS,
@@ -77,7 +81,9 @@ class ApiLimits:
     max_prompt_tokens: int = 262_144
     max_prompt_blocks: int = 16_384
     max_worker_filter: int = 4096
-    max_concurrent: int = 64
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT  # requests in progress, probes aside
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S  # a connection waiting for its request head
+    read_timeout: float = 10.0  # seconds to read a request's body
 
 
 # ----------------------------------------------------------------------------- wire structs
@@ -215,7 +221,7 @@ class ScoreApi:
                 "Score a prompt's prefix hit on every worker",
                 ScoreResponse,
                 request=ScoreRequest,
-                errors=(400, 401, 413, 429),
+                errors=(400, 401, 408, 413, 429),
             ),
             Route(
                 "GET",
@@ -259,7 +265,10 @@ class ScoreApi:
 
     async def _body(self, request: web.Request) -> ScoreRequest:
         try:
-            body = await request.read()
+            async with asyncio.timeout(self.limits.read_timeout):
+                body = await request.read()
+        except TimeoutError as exc:  # a body shorter than its Content-Length, or a slow one
+            raise _BadRequest(408, f"body not read within {self.limits.read_timeout:g} s") from exc
         except web.HTTPRequestEntityTooLarge as exc:
             raise _BadRequest(413, f"body larger than {self.limits.max_body_bytes} bytes") from exc
         except web.RequestPayloadError as exc:  # e.g. Content-Encoding: gzip on a body that is not
@@ -512,31 +521,25 @@ def _worker_view(
 _PROTECTED = frozenset({"/v1/score", "/v1/workers"})
 
 
-def _gatekeeper(token: str | None, max_concurrent: int) -> Any:
-    """The middleware that asks for the bearer token and bounds the requests in progress."""
-    expected = f"Bearer {token}".encode() if token else None
-    in_progress = 0
+def _token_check(token: str) -> Any:
+    """The middleware that asks for the bearer token on ``_PROTECTED`` paths."""
+    expected = f"Bearer {token}".encode()
 
     @web.middleware
-    async def gate(request: web.Request, handler: Handler) -> web.StreamResponse:
-        nonlocal in_progress
-        if expected is not None and request.path in _PROTECTED:
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in _PROTECTED:
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 response = _error(401, "a valid Authorization: Bearer <token> header is required")
                 response.headers["WWW-Authenticate"] = 'Bearer realm="hmakv"'
                 return response
-        if in_progress >= max_concurrent:
-            response = _error(429, f"{max_concurrent} requests in progress; retry shortly")
-            response.headers["Retry-After"] = "1"
-            return response
-        in_progress += 1
-        try:
-            return await handler(request)
-        finally:
-            in_progress -= 1
+        return await handler(request)
 
-    return gate
+    return check
+
+
+def _too_many(message: str) -> web.Response:
+    return _error(429, message)
 
 
 @web.middleware
@@ -552,10 +555,13 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
 
 def build_app(api: ScoreApi, *, token: str | None = None) -> web.Application:
     """The app; with ``token``, the score and workers endpoints want it as a bearer token."""
-    gate = _gatekeeper(token, api.limits.max_concurrent)
-    app = web.Application(
-        middlewares=[_json_errors, gate], client_max_size=api.limits.max_body_bytes
-    )
+    middlewares: list[Middleware] = [
+        _json_errors,
+        concurrency_gate(api.limits.max_concurrent, _too_many),
+    ]
+    if token:
+        middlewares.append(_token_check(token))
+    app = web.Application(middlewares=middlewares, client_max_size=api.limits.max_body_bytes)
     for route in api.routes():
         app.router.add_route(route.method, route.path, route.handler)
     return app
@@ -566,6 +572,7 @@ def build_app(api: ScoreApi, *, token: str | None = None) -> web.Application:
 _STATUS_TEXT = {
     400: "Invalid request",
     401: "A bearer token is required (when the index has one)",
+    408: "The body did not arrive in time",
     413: "Request or prompt too large",
     429: "Too many requests in progress",
 }

@@ -18,6 +18,7 @@ from hmakv.consumers.metrics import index_registry
 from hmakv.consumers.snapshots import open_store
 from hmakv.consumers.stats import ScoreStats
 from hmakv.kvlog.kafka_client import check_access
+from hmakv.kvlog.web import serve
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +61,19 @@ class IndexService:
             hashing=config.hashing,
             limits=config.limits,
         )
-        self._runner = web.AppRunner(build_app(self.api, token=config.api_token), access_log=None)
+        self._app = build_app(self.api, token=config.api_token)
+        self._runner: web.AppRunner | None = None
 
     @property
     def url(self) -> str:
+        """Where the API answers, once started."""
+        assert self._runner is not None
         host, port = self._runner.addresses[0][:2]
         return f"http://{host}:{port}"
 
     async def start(self) -> None:
-        await self._runner.setup()
-        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        idle = self.config.limits.idle_timeout
+        self._runner = await serve(self._app, self.config.host, self.config.port, idle)
         log.info(
             "index API on %s; snapshots: %s",
             self.url,
@@ -83,7 +87,8 @@ class IndexService:
         try:
             await self.follower.stop(final_snapshot=final_snapshot)
         finally:
-            await self._runner.cleanup()
+            if self._runner is not None:
+                await self._runner.cleanup()
 
     async def run_until(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set (final snapshot) or the follower fails (no snapshot)."""

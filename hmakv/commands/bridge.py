@@ -82,7 +82,7 @@ endpoints: /healthz (alive), /readyz (Kafka reachable and every source connected
 
 examples:
   hmakv bridge --kafka 127.0.0.1:9092 --engine engine-a=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5560
-  hmakv bridge --engines engines.toml --listen 0.0.0.0:9400
+  hmakv bridge --engines engines.toml --listen 10.0.0.7:9400   # one interface, not 0.0.0.0
   hmakv bridge --engines engines.toml --shard 1/2    # half the fleet; another bridge runs 0/2
   hmakv bridge --bind-sub 'tcp://*:5557' --kafka kafka:9092
   hmakv keys generate bridge --dir keys   # then: --curve-secret-key keys/bridge.key_secret"""

@@ -63,7 +63,7 @@ modes:
 
 examples:
   hmakv index --kafka 127.0.0.1:9092
-  hmakv index --kafka kafka:9092 --listen 0.0.0.0:8181 --snapshot-to file:/var/lib/hmakv/index
+  hmakv index --kafka kafka:9092 --listen 10.0.0.8:8181 --snapshot-to file:/var/lib/hmakv/index
   curl -s localhost:8181/v1/score -d '{"token_ids": [1, 2, 3]}'"""
 
 
@@ -201,6 +201,18 @@ def _add_api_options(parser: argparse.ArgumentParser) -> None:
         ("max-concurrent", limits.max_concurrent, "requests in progress (more get 429)"),
     ):
         add(f"--{option}", type=positive_int, default=value, help=f"most {what}")
+    add_seconds(
+        parser,
+        "--idle-timeout",
+        "close a connection that waits this long for its next complete request head",
+        default=str(limits.idle_timeout),
+    )
+    add_seconds(
+        parser,
+        "--read-timeout",
+        "answer 408 to a body not read in this long",
+        default=str(limits.read_timeout),
+    )
     add(
         "--api-token-file",
         type=_token_file,
@@ -249,6 +261,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             max_prompt_tokens=args.max_prompt_tokens,
             max_prompt_blocks=args.max_prompt_blocks,
             max_concurrent=args.max_concurrent,
+            idle_timeout=args.idle_timeout,
+            read_timeout=args.read_timeout,
         ),
         api_token=args.api_token_file,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,9 @@ from hmakv.consumers.api import ApiLimits, ScoreApi, build_app
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.metrics import index_registry
 from hmakv.consumers.stats import ScoreStats
+from hmakv.kafka.process import free_port
 from hmakv.kvlog.records import Topics
+from hmakv.kvlog.web import serve
 
 TOKEN = "s3cret-token"
 SCORE = {"token_ids": list(range(64))}
@@ -53,30 +56,77 @@ async def test_probes_and_scrapers_need_no_token(guarded: TestClient[Any, Any]) 
     assert (await guarded.get("/readyz")).status in (200, 503)  # not followed: not ready
 
 
-async def test_a_request_beyond_the_concurrency_limit_gets_429_at_once(
-    guarded: TestClient[Any, Any],
-) -> None:
-    server = guarded.server
-    _reader, writer = await asyncio.open_connection(server.host, server.port)
-    # Headers and half a body: the request holds the one slot while its body is awaited.
+async def hold_the_slot(
+    server: Any, token: str = TOKEN
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A request with headers and half a body: it holds a slot while its body is awaited."""
+    reader, writer = await asyncio.open_connection(server.host, server.port)
     writer.write(
         b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
-        + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode()
+        + f"Authorization: Bearer {token}\r\n\r\n".encode()
         + b'{"token_ids": ['
     )
     await writer.drain()
     await asyncio.sleep(0.2)
-    response = await guarded.get("/healthz")
+    return reader, writer
+
+
+async def test_a_request_beyond_the_concurrency_limit_gets_429_at_once_but_probes_do_not(
+    guarded: TestClient[Any, Any],
+) -> None:
+    _, writer = await hold_the_slot(guarded.server)
+    response = await guarded.get("/openapi.json")
     assert response.status == 429 and response.headers["Retry-After"] == "1"
     assert "in progress" in (await response.json())["error"]
+    # a liveness probe refused under load would have a busy index restarted
+    for path in ("/healthz", "/metrics"):
+        assert (await guarded.get(path)).status == 200, path
+    assert (await guarded.get("/readyz")).status == 503  # not followed: not ready, but answered
     writer.close()
     await writer.wait_closed()
     for _ in range(50):  # the slot comes back once the held request ends
-        if (await guarded.get("/healthz")).status == 200:
+        if (await guarded.get("/openapi.json")).status == 200:
             break
         await asyncio.sleep(0.05)
     else:
         raise AssertionError("the slot of the abandoned request never came back")
+
+
+async def test_a_body_that_never_arrives_gets_408_and_frees_its_slot() -> None:
+    app = build_app(score_api(ApiLimits(max_concurrent=1, read_timeout=0.5)), token=TOKEN)
+    async with TestClient(TestServer(app)) as client:
+        reader, writer = await hold_the_slot(client.server)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        assert head.startswith(b"HTTP/1.1 408"), head
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        assert b"not read within 0.5 s" in await reader.readexactly(length)
+        assert (await client.get("/openapi.json")).status == 200  # its slot is back
+        writer.close()
+
+
+async def test_idle_and_half_sent_connections_are_closed_and_bad_requests_log_once() -> None:
+    """aiohttp kept both for an hour and logged a traceback per malformed request (issue 16)."""
+    port = free_port()
+    runner = await serve(build_app(score_api(ApiLimits())), "127.0.0.1", port, idle_timeout=0.5)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("aiohttp.server").addHandler(handler)
+    try:
+        idle_reader, _ = await asyncio.open_connection("127.0.0.1", port)
+        half_reader, half = await asyncio.open_connection("127.0.0.1", port)
+        half.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # headers never end
+        for reader in (idle_reader, half_reader):
+            assert await asyncio.wait_for(reader.read(), 5.0) == b""  # closed by the server
+        for _ in range(30):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+            assert (await asyncio.wait_for(reader.read(), 5.0)).startswith(b"HTTP/1.0 400")
+            writer.close()
+    finally:
+        logging.getLogger("aiohttp.server").removeHandler(handler)
+        await runner.cleanup()
+    assert 1 <= len(records) <= 2, [r.getMessage() for r in records]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,100 @@
+"""The HTTP side both services serve (the bridge's health and metrics, the index's API): how
+an aiohttp app is served so that no caller can hold it up.
+
+aiohttp's defaults leave three things open: an idle or half-sent connection is kept for an hour
+(``keepalive_timeout``, 3630 s), a flood of requests queues without bound in front of the event
+loop that also does the service's work, and every malformed request logs a traceback on
+``aiohttp.server``. ``serve`` closes idle connections after ``idle_timeout`` (a request whose
+headers never complete included), ``concurrency_gate`` answers 429 past ``max_concurrent``
+requests in progress, except for probes and scrapes, and ``ServerLogFilter`` keeps one line of
+each kind of ``aiohttp.server`` message per interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
+_SERVER_LOGGER = "aiohttp.server"
+
+
+DEFAULT_IDLE_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONCURRENT = 64
+
+
+def concurrency_gate(
+    max_concurrent: int,
+    too_many: Callable[[str], web.Response],
+    exempt: Collection[str] = PROBES,
+) -> Middleware:
+    """A middleware: past ``max_concurrent`` requests in progress, ``too_many(message)`` at once,
+    with ``Retry-After``. Probes and scrapes (``exempt``) are neither refused nor counted: a
+    liveness probe refused under load would have a busy process restarted."""
+    in_progress = 0
+
+    @web.middleware
+    async def gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        nonlocal in_progress
+        if request.path in exempt:
+            return await handler(request)
+        if in_progress >= max_concurrent:
+            response = too_many(f"{max_concurrent} requests in progress; retry shortly")
+            response.headers["Retry-After"] = "1"
+            return response
+        in_progress += 1
+        try:
+            return await handler(request)
+        finally:
+            in_progress -= 1
+
+    return gate
+
+
+class ServerLogFilter(logging.Filter):
+    """At most one record of each message per ``interval`` seconds, the next one saying how many
+    were held back: anyone can send malformed requests, each of which aiohttp logs with its
+    traceback."""
+
+    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self._interval = interval
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = str(record.msg)  # aiohttp's templates: a handful
+        now = self._clock()
+        if now - self._last.get(kind, float("-inf")) < self._interval:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return False
+        self._last[kind] = now
+        held = self._held.pop(kind, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} more like it in the last {self._interval:g} s)"
+        return True
+
+
+def quiet_server_log() -> None:
+    """Put one ``ServerLogFilter`` on ``aiohttp.server`` (once per process)."""
+    logger = logging.getLogger(_SERVER_LOGGER)
+    if not any(isinstance(each, ServerLogFilter) for each in logger.filters):
+        logger.addFilter(ServerLogFilter())
+
+
+async def serve(
+    app: web.Application, host: str, port: int, idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S
+) -> web.AppRunner:
+    """Start serving ``app``, closing a connection that waits ``idle_timeout`` seconds for its
+    next complete request head; the caller stops with ``runner.cleanup()``."""
+    quiet_server_log()
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=idle_timeout)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
