@@ -14,7 +14,8 @@ from collections.abc import Iterable
 import msgspec
 import zmq
 
-from hmakv.argtypes import add_seconds, positive_int
+from hmakv.argtypes import add_seconds, curve_key_pair, curve_public_key, positive_int
+from hmakv.producer.curve import connect_to
 from hmakv.producer.events import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DecodedBatch,
@@ -82,6 +83,18 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=str(DEFAULT_MAX_PAYLOAD_BYTES),
         metavar="BYTES",
         help="refuse payloads larger than this",
+    )
+    add(
+        "--curve-secret-key",
+        type=curve_key_pair,
+        metavar="FILE",
+        help="with --zmq: a CURVE engine's admitted client's .key_secret file (hmakv keys)",
+    )
+    add(
+        "--curve-server-key",
+        type=curve_public_key,
+        metavar="FILE|KEY",
+        help="with --zmq and --curve-secret-key: the engine's public key",
     )
     parser.set_defaults(func=run)
 
@@ -171,8 +184,13 @@ def _print_hex_payload(text: str, max_bytes: int) -> str | None:
 
 
 def _follow_publisher(args: argparse.Namespace) -> int:
+    keys, server_key = args.curve_secret_key, args.curve_server_key
+    if (keys is None) != (server_key is None):
+        return _fail("--curve-secret-key and --curve-server-key go together", EXIT_BAD_INPUT)
     with zmq.Context() as context, context.socket(zmq.SUB) as socket:
         socket.setsockopt(zmq.LINGER, 0)  # never hang at exit on an unreachable endpoint
+        if keys is not None:
+            connect_to(socket, keys, server_key)
         try:
             socket.connect(args.zmq)
         except zmq.ZMQError as error:

@@ -1,6 +1,6 @@
-"""``hmakv keys generate`` and the CURVE flags of ``hmakv engine``, as users run them: the
-installed commands, the key files they write and read, and an engine that only the bridge's key
-may read (issue 16)."""
+"""``hmakv keys generate`` and the CURVE flags of ``hmakv engine`` and ``hmakv decode``, as users
+run them: the installed commands, the key files they write and read, and an engine that only the
+bridge's key may read (issue 16)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,14 @@ def test_an_engine_with_curve_keys_is_read_by_the_bridges_key_only(tmp_path: Pat
             assert time.monotonic() < deadline and engine.poll() is None, "the engine sent nothing"
         assert decode_seq(bridge.recv_multipart()[1]) >= 0
         assert not stranger.poll(300)
+        watch = ("decode", "--zmq", endpoint, "--count", "1", "--timeout", "5")
+        server = ("--curve-server-key", str(tmp_path / "engine.key"))
+        admitted = hmakv(*watch, "--curve-secret-key", str(tmp_path / "bridge.key_secret"), *server)
+        assert admitted.returncode == 0 and '"events"' in admitted.stdout, admitted.stderr
+        refused = hmakv(
+            *watch, "--curve-secret-key", str(tmp_path / "stranger.key_secret"), *server
+        )
+        assert refused.stdout == ""
     finally:
         ctx.destroy(linger=0)
         engine.terminate()
