@@ -30,6 +30,7 @@ import json
 import logging
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -141,6 +142,7 @@ def parse_body(raw: bytes, allowed: frozenset[str]) -> dict[str, Any]:
 _REQUEST_FIELDS = frozenset({"token_ids", "max_tokens"})
 _LOOKUP_FIELDS = frozenset({"token_ids"})
 _ROUTES = {"/v1/requests": "POST", "/v1/lookup": "POST", "/v1/status": "GET"}
+_ERROR_LOG_INTERVAL_S = 10.0
 
 
 class _Server(ThreadingHTTPServer):
@@ -152,11 +154,22 @@ class _Server(ThreadingHTTPServer):
         self.read_timeout = limits.read_timeout
         self.answer_timeout = limits.answer_timeout
         self.slots = threading.BoundedSemaphore(limits.max_concurrent)
+        self._errors = threading.Lock()
+        self._logged_at = -_ERROR_LOG_INTERVAL_S
+        self._held = 0
 
     def handle_error(self, request: object, client_address: tuple[str, int]) -> None:
-        """One line per broken connection, not a traceback: a client can cause it at will."""
+        """One line, not a traceback, and at most one per ``_ERROR_LOG_INTERVAL_S`` saying how
+        many it held back: a client can break connections at will."""
         error = sys.exc_info()[1]
-        logger.info("engine API: connection from %s failed: %r", client_address[0], error)
+        now = time.monotonic()
+        with self._errors:
+            if now - self._logged_at < _ERROR_LOG_INTERVAL_S:
+                self._held += 1
+                return
+            self._logged_at, held, self._held = now, self._held, 0
+        more = f" ({held} more in the last {_ERROR_LOG_INTERVAL_S:g} s)" if held else ""
+        logger.info("engine API: connection from %s failed: %r%s", client_address[0], error, more)
 
 
 @dataclass(frozen=True)

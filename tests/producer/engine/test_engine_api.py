@@ -108,3 +108,20 @@ def test_a_wrong_method_gets_405_with_allow(server: ApiServer) -> None:
         status, headers, document = response(sock)
     assert status == 405 and headers["Allow"] == "POST"
     assert document == {"error": "use POST /v1/requests"}
+
+
+def test_broken_connections_log_one_line_per_interval_with_the_count(
+    server: ApiServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client can break connections at will: each once logged its own line."""
+    caplog.set_level("INFO", logger="hmakv.producer.engine.api")
+    hook = server._server.handle_error  # what socketserver calls for a failed connection
+    for _ in range(50):
+        try:
+            raise ConnectionResetError("reset by peer")
+        except ConnectionResetError:
+            hook(None, ("10.0.0.9", 40000))
+    lines = [r.getMessage() for r in caplog.records if "connection from" in r.getMessage()]
+    assert lines == [
+        "engine API: connection from 10.0.0.9 failed: ConnectionResetError('reset by peer')"
+    ]
