@@ -20,7 +20,7 @@ from hmakv.producer.events import AllBlocksCleared, KVEvent, KVEventBatch
 # split reaches, plus what a list's msgpack header can grow by (1 byte when empty, at most 5):
 # every part fits, with at most 8 bytes to spare.
 _ARRAY_HEADER_GROWTH = 4
-_LARGEST_FIRST_EVENT = 2**32 - 1
+_LARGEST_FIRST_EVENT = records.MAX_FIRST_EVENT
 _event_encoder = msgspec.msgpack.Encoder()
 
 

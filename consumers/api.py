@@ -636,9 +636,12 @@ def _document_limits(components: dict[str, Any], limits: ApiLimits) -> None:
     """The configured limits as maxItems, the one-prompt rule and the hash functions, so the
     document states what the server enforces."""
     request = components["ScoreRequest"]
+    # Exactly one of the two is given: null is as absent (the server reads both as None), so
+    # "given" is present and not null; ``required`` alone made {"token_ids": [..],
+    # "block_hashes": null} invalid by the document, which the server answers (schemathesis).
     request["oneOf"] = [
-        {"required": ["token_ids"], "not": {"required": ["block_hashes"]}},
-        {"required": ["block_hashes"], "not": {"required": ["token_ids"]}},
+        {**_given("token_ids"), "not": _given("block_hashes")},
+        {**_given("block_hashes"), "not": _given("token_ids")},
     ]
     properties = request["properties"]
     for option in properties["hash_fn"]["anyOf"]:
@@ -652,3 +655,8 @@ def _document_limits(components: dict[str, Any], limits: ApiLimits) -> None:
         for option in properties[name]["anyOf"]:
             if option.get("type") == "array":
                 option["maxItems"] = most
+
+
+def _given(name: str) -> dict[str, Any]:
+    """A JSON schema for: the request gives this list, present and not null."""
+    return {"required": [name], "properties": {name: {"type": "array"}}}

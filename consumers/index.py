@@ -798,14 +798,16 @@ def _unapplied(worker: _Worker, record: EventRecord) -> list[KVEvent] | None:
 
     Within one seq, ``next_event`` says how many of the (batch, group)'s events were applied: a
     record split over parts is taken part by part, and one sent again, split the same way or
-    not, only for what is new.
+    not, only for what is new (an empty one brings nothing). A group that applied nothing has
+    applied none of the events of ``_NONE_APPLIED``'s seq either: a record with that seq, which
+    no bridge writes but anyone who can write the log can, raised a KeyError here.
     """
     group = record.group_idx
     last_seq = worker.last_seq.get(group, _NONE_APPLIED)
     if record.seq != last_seq:
         return record.events if record.seq > last_seq else None
-    done = worker.next_event[group] - record.first_event
-    if done >= len(record.events):
+    done = worker.next_event.get(group, 0) - record.first_event
+    if done >= len(record.events) or not record.events:
         return None
     return record.events[done:] if done > 0 else record.events
 

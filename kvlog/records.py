@@ -13,7 +13,7 @@ Delivery is at least once; a consumer makes it exactly-once in effect by ignorin
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -86,6 +86,13 @@ def parse_event_key(key: bytes) -> tuple[str, int]:
     return worker, int(group)
 
 
+# A record's first event is a position among one batch's events for one group (a scheduler
+# step's: far fewer). The bound keeps what a consumer counts from it (``first_event`` plus the
+# record's events) an int its snapshot can hold: past 2**64 - 1, every snapshot failed.
+MAX_FIRST_EVENT = 2**32 - 1
+FirstEvent = Annotated[int, msgspec.Meta(ge=0, le=MAX_FIRST_EVENT)]
+
+
 class EventRecord(msgspec.Struct, frozen=True, gc=False):
     """One engine batch's events for one cache group, in the engine's order.
 
@@ -101,7 +108,8 @@ class EventRecord(msgspec.Struct, frozen=True, gc=False):
     snapshot of a large cache) and are split, in order, over records of the same seq. A consumer
     that keeps how many events of its last seq it applied takes each event once, even from a
     batch sent again and split elsewhere (by a bridge with another record size limit). A record
-    from before the field existed decodes to 0.
+    from before the field existed decodes to 0; one outside 0..``MAX_FIRST_EVENT`` does not
+    decode.
     """
 
     worker: str
@@ -111,7 +119,7 @@ class EventRecord(msgspec.Struct, frozen=True, gc=False):
     group_idx: int
     events: list[KVEvent]
     data_parallel_rank: int | None = None
-    first_event: int = 0
+    first_event: FirstEvent = 0
 
     def headers(self) -> list[tuple[str, bytes]]:
         """Kafka headers repeating the routing fields, for tools that do not decode values."""
@@ -189,13 +197,20 @@ class DeadLetter(msgspec.Struct, frozen=True, gc=False):
 
 
 class RecordDecodeError(ValueError):
-    """A Kafka record that is not a valid hmakv record; the message says what was wrong."""
+    """A Kafka record that is not a valid hmakv record; the message says what was wrong.
+
+    The only exception the decoders raise, whatever the bytes: anyone who can write the log can
+    put any value there, and a record that crashed its reader would crash it again on every read.
+    """
 
 
 _encoder = msgspec.msgpack.Encoder()
 _event_decoder = msgspec.msgpack.Decoder(EventRecord)
 _worker_decoder = msgspec.msgpack.Decoder(WorkerState)
 _deadletter_decoder = msgspec.msgpack.Decoder(DeadLetter)
+# An extra key is any msgpack value, nested as deep as the bytes say: msgspec gives up past
+# Python's recursion limit with a RecursionError, which is the record's fault like any other.
+_DECODE_FAILURES = (msgspec.DecodeError, RecursionError)
 
 
 def encode(record: EventRecord | WorkerState | DeadLetter) -> bytes:
@@ -205,19 +220,19 @@ def encode(record: EventRecord | WorkerState | DeadLetter) -> bytes:
 def decode_event_record(value: bytes) -> EventRecord:
     try:
         return _event_decoder.decode(value)
-    except msgspec.DecodeError as exc:
+    except _DECODE_FAILURES as exc:
         raise RecordDecodeError(f"bad event record: {exc}") from exc
 
 
 def decode_worker_state(value: bytes) -> WorkerState:
     try:
         return _worker_decoder.decode(value)
-    except msgspec.DecodeError as exc:
+    except _DECODE_FAILURES as exc:
         raise RecordDecodeError(f"bad worker state: {exc}") from exc
 
 
 def decode_dead_letter(value: bytes) -> DeadLetter:
     try:
         return _deadletter_decoder.decode(value)
-    except msgspec.DecodeError as exc:
+    except _DECODE_FAILURES as exc:
         raise RecordDecodeError(f"bad dead letter: {exc}") from exc

@@ -706,3 +706,23 @@ def test_media_past_the_index_limit_are_refused_not_kept() -> None:
     kept = index.workers()[0].resident[0]
     assert len(kept) == MAX_MEDIA and index.counters.blocks_refused == 4
     assert "tier-0" in kept and f"tier-{MAX_MEDIA}" not in kept
+
+
+def test_a_record_at_the_seq_before_any_applies_instead_of_raising() -> None:
+    """Found by tests/fuzz: seq -2, the sentinel of a group with nothing applied, raised
+    KeyError; no bridge writes it, but anyone who writes the log can."""
+    index = KVIndex(hash_block_size=B)
+    assert index.apply(record(-2, 0, stored(PROMPT[:2], 0))) is ApplyOutcome.APPLIED
+    assert index.counters.stored == 2
+    assert index.apply(record(-2, 0, stored(PROMPT[:2], 0))) is ApplyOutcome.DUPLICATE
+
+
+def test_an_empty_record_of_the_last_seq_is_a_duplicate() -> None:
+    index = KVIndex(hash_block_size=B)
+    index.apply(record(3, 0, stored(PROMPT[:2], 0)))
+    empty = msgspec.structs.replace(record(3, 0), first_event=5)
+    assert index.apply(empty) is ApplyOutcome.DUPLICATE
+    # It moved nothing on: the seq's next events still apply (they were skipped as applied).
+    rest = msgspec.structs.replace(record(3, 0, stored([7], 0), stored([8], 0)), first_event=1)
+    assert index.apply(rest) is ApplyOutcome.APPLIED
+    assert index.counters.stored == 4

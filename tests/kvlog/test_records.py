@@ -205,3 +205,24 @@ def test_unknown_health_is_rejected() -> None:
     )
     with pytest.raises(RecordDecodeError, match="health"):
         records.decode_worker_state(value)
+
+
+def test_an_extra_key_nested_past_the_recursion_limit_is_a_record_decode_error() -> None:
+    """Found by tests/fuzz: msgspec's RecursionError escaped (a follower's poison record)."""
+    store = BlockStored([1], None, [], 16, None, "GPU", None, extra_keys=[(None,)])
+    value = records.encode(EventRecord("w", 0, 0, 0.0, 0, [store]))
+    at = value.index(b"\x91\xc0")  # the extra key's 1-tuple of nil
+    deep = value[:at] + b"\x91" * 100_000 + value[at:]
+    with pytest.raises(RecordDecodeError, match="recursion"):
+        records.decode_event_record(deep)
+
+
+@pytest.mark.parametrize("first_event", [-1, records.MAX_FIRST_EVENT + 1, 2**64 - 1])
+def test_a_first_event_no_batch_has_is_a_record_decode_error(first_event: int) -> None:
+    """Found by tests/fuzz: 2**64 - 1 made an index's every snapshot fail (its next event past
+    msgpack's ints); positions are a batch's, far below MAX_FIRST_EVENT."""
+    record = EventRecord("w", 0, 0, 0.0, 0, [AllBlocksCleared()], first_event=first_event)
+    with pytest.raises(RecordDecodeError, match="first_event"):
+        records.decode_event_record(records.encode(record))
+    largest = msgspec.structs.replace(record, first_event=records.MAX_FIRST_EVENT)
+    assert records.decode_event_record(records.encode(largest)) == largest

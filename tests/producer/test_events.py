@@ -328,6 +328,14 @@ def test_empty_evicted_groups_removes_from_no_group() -> None:
     assert _decode_one(["BlockRemoved", [4], "GPU", []]).batch.events == []
 
 
+def test_draft_removals_share_one_hash_list_so_memory_grows_with_the_payload() -> None:
+    """Found by tests/fuzz: a list copy per group took 8 MB for a 2 KB payload."""
+    many = list(range(1000))
+    decoded = _decode_one({"type": "BlockRemoved", "block_hashes": many, "evicted_groups": many})
+    assert [event.group_idx for event in decoded.batch.events] == many
+    assert len({id(event.block_hashes) for event in decoded.batch.events}) == 1
+
+
 def test_evicted_groups_text_in_a_value_decodes_unchanged() -> None:
     """The key scan that guards the fast path may hit a string value; the result must not change."""
     batch = KVEventBatch(1.0, [_stored(lora_name="evicted_groups")], 0)
