@@ -91,6 +91,11 @@ def parse_event_key(key: bytes) -> tuple[str, int]:
 # record's events) an int its snapshot can hold: past 2**64 - 1, every snapshot failed.
 MAX_FIRST_EVENT = 2**32 - 1
 FirstEvent = Annotated[int, msgspec.Meta(ge=0, le=MAX_FIRST_EVENT)]
+# A worker's epoch counts its engine's lives from 0, and its epoch + 1 is where a retired one
+# comes back: past 2**63 - 1 that no longer fits the int a snapshot holds. A seq is the engine's
+# signed 64-bit frame (-1 for the clear that opens an epoch).
+Epoch = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 2)]
+Seq = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
 
 
 class EventRecord(msgspec.Struct, frozen=True, gc=False):
@@ -113,8 +118,8 @@ class EventRecord(msgspec.Struct, frozen=True, gc=False):
     """
 
     worker: str
-    epoch: int
-    seq: int
+    epoch: Epoch
+    seq: Seq
     ts: float
     group_idx: int
     events: list[KVEvent]
@@ -171,8 +176,8 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
     """
 
     worker: str
-    epoch: int
-    last_seq: int
+    epoch: Epoch
+    last_seq: Seq
     health: Health | Retired
     groups: dict[int, GroupSpec]
     ts: float

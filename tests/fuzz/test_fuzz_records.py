@@ -35,11 +35,15 @@ from hmakv.kvlog.records import (
 )
 from hmakv.producer.events import GROUP_KINDS, MAX_GROUP_IDX, BlockStored, GroupSpec
 
+# what the contract takes (kvlog.records.Epoch, Seq), boundaries included
+epochs = st.one_of(st.integers(0, 2**63 - 2), st.sampled_from([0, 1, 2**63 - 2]))
+seqs = st.one_of(st.integers(-1, 2**63 - 1), st.sampled_from([-1, 0, 2**63 - 1]))
+
 event_records = st.builds(
     EventRecord,
     worker=texts,
-    epoch=ints,
-    seq=ints,
+    epoch=epochs,
+    seq=seqs,
     ts=st.floats(),
     group_idx=ints,
     events=st.lists(events(), max_size=4),
@@ -56,8 +60,8 @@ group_specs = st.builds(
 worker_states = st.builds(
     WorkerState,
     worker=texts,
-    epoch=ints,
-    last_seq=ints,
+    epoch=epochs,
+    last_seq=seqs,
     health=st.sampled_from([*HEALTH_STATES, RETIRED]),
     groups=st.dictionaries(ints, group_specs, max_size=4),
     ts=st.floats(),

@@ -226,3 +226,18 @@ def test_a_first_event_no_batch_has_is_a_record_decode_error(first_event: int) -
         records.decode_event_record(records.encode(record))
     largest = msgspec.structs.replace(record, first_event=records.MAX_FIRST_EVENT)
     assert records.decode_event_record(records.encode(largest)) == largest
+
+
+@pytest.mark.parametrize(("epoch", "seq"), [(-1, 0), (2**63 - 1, 0), (2**64 - 1, 0), (0, -2)])
+def test_an_epoch_or_seq_no_bridge_writes_is_a_record_decode_error(epoch: int, seq: int) -> None:
+    """Found by tests/fuzz: a retired worker's epoch 2**64 - 1 made the index keep 2**64 (where
+    it may come back) and every snapshot fail; epochs count lives from 0, seqs are signed 64-bit
+    frames with -1 for an epoch's opening clear."""
+    record = EventRecord("w", epoch, seq, 0.0, 0, [AllBlocksCleared()])
+    state = WorkerState("w", epoch, seq, "retired", {}, 0.0)
+    with pytest.raises(RecordDecodeError):
+        records.decode_event_record(records.encode(record))
+    with pytest.raises(RecordDecodeError):
+        records.decode_worker_state(records.encode(state))
+    largest = EventRecord("w", 2**63 - 2, 2**63 - 1, 0.0, 0, [AllBlocksCleared()])
+    assert records.decode_event_record(records.encode(largest)) == largest
