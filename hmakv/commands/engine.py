@@ -111,6 +111,20 @@ def _add_publisher_options(parser: argparse.ArgumentParser) -> None:
         help="bind --endpoint even where it names a host (tcp://127.0.0.1:5557: loopback only)",
     )
     add("--replay-endpoint", help="ZMQ ROUTER endpoint for replay and snapshot requests")
+    add(
+        "--buffer-steps",
+        type=non_negative_int,
+        default="10000",
+        help="batches the replay ring keeps (vLLM's buffer_steps); a gap reaching further "
+        "back is resynced by a snapshot",
+    )
+    add(
+        "--hwm",
+        type=non_negative_int,
+        default="100000",
+        help="ZMQ send high-water mark of the PUB socket, in batches (vLLM's hwm; 0: none): "
+        "past it a subscriber that does not keep up misses batches, which it replays",
+    )
     add("--topic", default="", help="ZMQ topic (default empty)")
     add("--worker-name", default="engine", help="this engine's name in status output")
     add(
@@ -198,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         use_model=not args.no_model,
         endpoint=args.endpoint,
         replay_endpoint=args.replay_endpoint,
+        buffer_steps=args.buffer_steps,
+        hwm=args.hwm,
         bind=args.bind,
         curve=curve,
         topic=args.topic,

@@ -15,7 +15,10 @@ kernel kills it if the starting thread dies first). ``start_detached()`` hands i
 from __future__ import annotations
 
 import base64
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -157,6 +160,17 @@ class LocalBroker(ABC):
         if self._given_data_dir is None and self._data_dir is not None:
             shutil.rmtree(self._data_dir, ignore_errors=True)
         self._data_dir = None
+
+    def kill(self) -> None:
+        """SIGKILL the process group, as the broker process crashing does: no clean shutdown.
+
+        A given data dir stays, so ``start()`` brings the same cluster back on it (the fault
+        tests' broker crash); a temporary one is removed as by ``stop()``.
+        """
+        if self._process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+        self.stop()
 
     def wait(self) -> int:
         """Block until the broker exits on its own; returns its exit code."""

@@ -77,6 +77,8 @@ class EngineConfig:
     use_model: bool = True
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # the replay ring (vLLM's KVEventsConfig.buffer_steps)
+    hwm: int = 100_000  # the PUB socket's send high-water mark (vLLM's KVEventsConfig.hwm)
     bind: bool = False  # bind ``endpoint`` even where it names a host (vLLM's rule otherwise)
     curve: CurveSettings | None = field(default=None, repr=False)  # see producer.curve
     topic: str = ""
@@ -214,6 +216,8 @@ class Engine:
             config.dp_rank,
             config.endpoint,
             config.replay_endpoint,
+            config.buffer_steps,
+            config.hwm,
             topic=config.topic,
             snapshot_provider=self._resident_events,
             bind=config.bind,

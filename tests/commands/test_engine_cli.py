@@ -124,8 +124,9 @@ def test_options_come_from_the_environment_and_flags_win(
     monkeypatch.setenv("HMAKV_ENGINE_RATE", "3.5")
     monkeypatch.setenv("HMAKV_ENGINE_REPLAY_ENDPOINT", "tcp://*:5560")
     monkeypatch.setenv("HMAKV_ENGINE_DP_RANK", "2")
+    monkeypatch.setenv("HMAKV_ENGINE_BUFFER_STEPS", "64")
 
-    args = build_parser().parse_args(["engine", "--rate", "7"])
+    args = build_parser().parse_args(["engine", "--rate", "7", "--hwm", "10"])
 
     assert args.profile == "swa-small"
     assert args.no_model is True
@@ -133,6 +134,7 @@ def test_options_come_from_the_environment_and_flags_win(
     assert args.rate == 7.0
     assert args.replay_endpoint == "tcp://*:5560"
     assert args.dp_rank == 2
+    assert (args.buffer_steps, args.hwm) == (64, 10)
     assert (args.endpoint, args.workload, args.duration) == ("tcp://*:5557", "chat", None)
 
 
@@ -143,6 +145,7 @@ def test_options_come_from_the_environment_and_flags_win(
         (["--api", "8300"], {}, "--api: invalid HOST:PORT value"),
         (["--profile", "llama"], {}, "--profile: invalid choice"),
         (["--workload", "poetry"], {}, "--workload: invalid choice"),
+        (["--hwm", "-1"], {}, "--hwm: invalid non-negative integer value"),
         ([], {"HMAKV_ENGINE_DURATION": "soon"}, "--duration: invalid positive number value"),
         # A variable is checked as its flag is, choices too.
         ([], {"HMAKV_ENGINE_PROFILE": "llama"}, "--profile: invalid choice: 'llama'"),

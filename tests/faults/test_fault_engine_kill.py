@@ -1,0 +1,108 @@
+"""Scenario 4: an engine SIGKILLed and restarted on the same endpoints, as its supervisor does.
+
+Nothing on vLLM's wire names an engine life: the bridge tells the new one by its seqs going
+backwards (or by its seq 0, an ``AllBlocksCleared``, should it arrive after later seqs), and
+starts a new epoch. The index must then drop everything the old life held, and follow the new
+one exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from fault_kit import BRIDGE, INDEX, Pipeline, kill, pipeline
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
+
+
+async def new_life_followed(fleet: Pipeline) -> bool:
+    view = (await fleet.workers()).get("engine-a")
+    return view is not None and view.epoch == 1
+
+
+async def replays_run(fleet: Pipeline) -> float:
+    """Replays the bridge ran so far, whatever their outcome: one follows every reconnect."""
+    return (await fleet.bridge_metrics()).total(f"{BRIDGE}_replays_total", kind="replay")
+
+
+async def replays_run_since(fleet: Pipeline, before: float) -> bool:
+    return await replays_run(fleet) > before
+
+
+async def test_an_engine_killed_and_restarted_is_a_new_epoch_without_the_old_blocks(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    async with pipeline(tmp_path, kafka_bootstrap) as fleet:
+        await fleet.serve(60)
+        await fleet.settle()
+        old_life = await fleet.assert_agreement()
+        old_prompts = list(fleet.served)
+        held = [p for p in old_prompts if old_life.by_prompt[p]["engine-a"].actual > 0]
+
+        replays = await replays_run(fleet)
+        kill(fleet.processes["engine-a"])
+        await fleet.start_engine("engine-a")
+        # Batches published before the bridge is back on the new life's PUB socket are
+        # missed, and one restart undetected for now (see the xfail below); from then on, the
+        # first live batch tells the new life by its seq going backwards.
+        await fleet.until(
+            lambda: replays_run_since(fleet, replays), "the bridge back on engine-a (its catch-up)"
+        )
+        await fleet.serve(10, to=["engine-a"])
+        await fleet.until(lambda: new_life_followed(fleet), "the index follows the new life")
+        await fleet.settle()
+        # What the old life held and the new one does not must score 0 there now.
+        agreement = await fleet.assert_agreement(old_prompts)
+        gone = [agreement.by_prompt[p]["engine-a"] for p in held]
+        gone = [c for c in gone if c.actual == 0]
+        bridge = await fleet.bridge_metrics()
+        index = await fleet.index_metrics()
+        views = await fleet.workers()
+    assert gone, "the new life holds all the old one did: the check proves nothing"
+    assert all(c.hma == 0 for c in gone)
+    assert bridge.total(f"{BRIDGE}_epochs_started_total", worker="engine-a") == 1
+    assert bridge.total(f"{BRIDGE}_epochs_started_total", worker="engine-b") == 0
+    assert bridge.total(f"{BRIDGE}_worker_epoch", worker="engine-a") == 1
+    assert bridge.total(f"{BRIDGE}_batches_lost_total") == 0
+    assert index.total(f"{INDEX}_worker_restarts_total") == 1
+    assert (views["engine-a"].epoch, views["engine-b"].epoch) == (1, 0)
+    assert views["engine-a"].health == "live"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an engine restarted and then idle is not noticed: its seq 0 is published right "
+    "after it binds, before a subscriber can have joined, and the bridge's catch-up replay from "
+    "its resume point comes back empty, which the tracker takes as proving nothing "
+    "(bridge/tracking.py _replied_from_another_life: 'a ring may keep nothing at all'), so the "
+    "index keeps claiming the old life's blocks until the engine's next batch",
+)
+async def test_an_engine_restarted_and_left_idle_loses_its_old_blocks_in_the_index(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    async with pipeline(tmp_path, kafka_bootstrap) as fleet:
+        await fleet.serve(40)
+        await fleet.settle()
+        old_prompts = list(fleet.served)
+        replays = await replays_run(fleet)
+        # The bridge frozen across the restart certainly misses the new life's seq 0 live, as
+        # it practically always does anyway.
+        bridge = fleet.processes["bridge"]
+        os.killpg(bridge.pid, signal.SIGSTOP)
+        try:
+            kill(fleet.processes["engine-a"])
+            await fleet.start_engine("engine-a")
+        finally:
+            os.killpg(bridge.pid, signal.SIGCONT)
+
+        await fleet.until(
+            lambda: replays_run_since(fleet, replays), "the bridge back on engine-a (its catch-up)"
+        )
+        await fleet.until(
+            lambda: new_life_followed(fleet), "the index drops the old life", timeout_s=10
+        )
+        agreement = await fleet.compare(old_prompts)
+    assert not agreement.claimed_too_much, agreement.summary()
