@@ -108,6 +108,7 @@ class WorkerChannel:
         self._duplicates = metrics.duplicates.labels(self.worker)
         self._received_batches = 0
         self._received_types: list[type] = []  # each received event's class, counted per flush
+        self.last_heard = time.monotonic()  # a live batch, a (re)connect or a quiet catch-up
         board.add(
             self.worker,
             BoardEntry(
@@ -131,6 +132,12 @@ class WorkerChannel:
         self._apply(self._relay.start(time.time()))
 
     def on_connected(self) -> None:
+        """The live stream (re)connected, or has been quiet a while: replay from the next seq.
+
+        vLLM's wire never says a stream ended, so batches lost on the way at the end of a burst
+        would wait for the engine's next batch; an idle engine's last evictions with them.
+        """
+        self.last_heard = time.monotonic()
         self._apply(self._relay.on_connected(time.time()))
 
     def on_live(self, seq: int, decoded: DecodedBatch, frames: list[bytes]) -> None:
@@ -139,6 +146,7 @@ class WorkerChannel:
         self._received_types.extend(map(type, batch.events))
         if decoded.unknown_event_types:
             self._unknown_events(seq, decoded, frames)
+        self.last_heard = time.monotonic()
         self._apply(self._relay.on_live(seq, batch, time.time()))
 
     def flush_counts(self) -> None:

@@ -92,6 +92,10 @@ class BridgeSettings:
     linger: float = 0.002  # seconds a small chunk may wait to grow before it is sent
     shutdown_timeout: float = 10.0
     kafka_retry: float = 2.0
+    # A worker with a replay endpoint heard from neither live nor by a replay for this long is
+    # caught up by a replay (0: never): what was lost at the end of a burst would wait for the
+    # engine's next batch otherwise, however long it stays idle.
+    quiet_catch_up: float = 5.0
     client_id: str = "hmakv-bridge"
     security: KafkaSecurity | None = field(default=None, repr=False)
     # CURVE (producer.curve): the bridge's key pair, every engine's public key in its config,
@@ -158,6 +162,7 @@ class BridgeService:
         self._office: DeadLetterOffice | None = None
         self._runner: web.AppRunner | None = None
         self._probe: asyncio.Task[None] | None = None
+        self._quiet: asyncio.Task[None] | None = None
         self._kafka_reachable = False
         self._started = False
         self._crashed = asyncio.Event()  # a task the bridge cannot work without has ended
@@ -180,6 +185,8 @@ class BridgeService:
         started = await self._connect_kafka()
         self._producer = started.producer
         self._probe = asyncio.create_task(self._probe_kafka())
+        if self.settings.quiet_catch_up > 0:
+            self._quiet = asyncio.create_task(self._catch_up_quiet_workers())
         resumed = self._known = await self._read_resume_points(self._producer)
         self._sink = KafkaSink(
             self._producer,
@@ -252,9 +259,10 @@ class BridgeService:
                     "hold them for the next start",
                     left,
                 )
-        if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
+        for loop in (self._probe, self._quiet):
+            if loop is not None:
+                loop.cancel()
+                await asyncio.gather(loop, return_exceptions=True)
         if self._producer is not None:
             await self._close_producer(self._producer)
         if self._gate is not None:
@@ -421,6 +429,20 @@ class BridgeService:
         while True:
             await asyncio.sleep(_PROBE_INTERVAL_S)
             self._set_kafka_reachable(await self._kafka_answers())
+
+    async def _catch_up_quiet_workers(self) -> None:
+        """Every connected worker with a replay endpoint that has been quiet for
+        ``quiet_catch_up`` seconds asks its engine for what follows its last seq."""
+        interval = self.settings.quiet_catch_up
+        while True:
+            await asyncio.sleep(interval / 2)
+            quiet_since = time.monotonic() - interval
+            for worker, channel in list(self._channels.items()):
+                if channel.address.replay is None or channel.last_heard > quiet_since:
+                    continue
+                source = self._sources.get(worker)
+                if source is None or source[0].state is SourceState.CONNECTED:
+                    channel.on_connected()  # bound engines' sockets count as connected
 
     async def _kafka_answers(self) -> bool:
         if self._sink is not None and time.monotonic() - self._sink.last_delivery < 1.0:

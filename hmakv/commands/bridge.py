@@ -268,6 +268,14 @@ def _add_flow_options(parser: argparse.ArgumentParser) -> None:
         help="likewise for a store's token ids",
     )
     add_seconds(
+        parser,
+        "--quiet-catch-up",
+        "replay from a worker's next seq when nothing came from it for this long, 0 never (what "
+        "was lost at the end of a burst waits for the engine's next batch otherwise)",
+        default="5",
+        zero=True,
+    )
+    add_seconds(
         parser, "--shutdown-timeout", "on SIGTERM, time to deliver what is queued", default="10"
     )
 
@@ -314,6 +322,7 @@ def _settings(args: argparse.Namespace) -> BridgeSettings:
         join_by_topic=args.join_by_topic,
         state_interval=args.state_interval,
         shutdown_timeout=args.shutdown_timeout,
+        quiet_catch_up=args.quiet_catch_up,
         security=kafka_security(args),
         curve_keys=args.curve_secret_key,
         join_keys=args.join_keys or frozenset(),

@@ -52,8 +52,6 @@ POLL_S = 0.05
 STOP_GRACE_S = 10.0
 MAX_TOKENS = 16
 """Tokens each request generates: a block or so of decode after its prefill."""
-STALL_S = 1.0
-"""How long the bridge may stay behind an idle engine without moving before ``settle`` nudges."""
 COMPARED_PROMPTS = 120
 """How many of the prompts served are compared after settling (the newest), besides fresh ones."""
 FRESH_PROMPTS = 40
@@ -267,6 +265,7 @@ class Pipeline:
             "--listen", self.bridge_url.removeprefix("http://"),
             "--partitions", "2",
             "--state-interval", "0.2",
+            "--quiet-catch-up", "1",  # 5 s by default: the suite would wait that long
             *args,
         ]  # fmt: skip
 
@@ -443,43 +442,17 @@ class Pipeline:
         await self.until(idle, "every engine is idle")
         return seqs
 
-    async def settle(self, nudge: Callable[[], Awaitable[None]] | None = None) -> dict[str, int]:
+    async def settle(self) -> dict[str, int]:
         """Wait until the pipeline is at rest (see the module docstring); each engine's seq.
 
-        ``nudge``, when given, runs whenever the bridge is behind an idle engine and has not
-        moved for ``STALL_S``: a batch lost on the way at the very end of a stream shows as a
-        gap only with the engine's next batch (nothing on vLLM's wire says a stream ended).
+        A batch lost on the way at the very end of a stream shows as no gap (nothing on vLLM's
+        wire says a stream ended): the bridge's quiet catch-up (``--quiet-catch-up``, 1 s here)
+        replays it.
         """
         seqs = await self.idle_seqs()
-        if nudge is None:
-            await self.until(forwarded(self.http, self.bridge_url, seqs), f"forwarded {seqs}")
-        else:
-            await self.until(self._forwarded_nudging(seqs, nudge), f"forwarded {seqs}")
+        await self.until(forwarded(self.http, self.bridge_url, seqs), f"forwarded {seqs}")
         await self.until(lambda: self._index_holds(seqs), f"the index holds the engines at {seqs}")
         return seqs
-
-    def _forwarded_nudging(
-        self, seqs: dict[str, int], nudge: Callable[[], Awaitable[None]]
-    ) -> Callable[[], Awaitable[bool]]:
-        """A check that the bridge forwarded ``seqs`` (updated after each nudge)."""
-        read = acknowledged(self.http, self.bridge_url)
-        seen: dict[str, int] = {}
-        since = time.monotonic()
-
-        async def check() -> bool:
-            nonlocal seen, since
-            acked = await read()
-            if all(acked.get(name, -1) >= seq for name, seq in seqs.items()):
-                return True
-            if acked != seen:
-                seen, since = acked, time.monotonic()
-            elif time.monotonic() - since >= STALL_S:
-                await nudge()
-                seqs.update(await self.idle_seqs())
-                since = time.monotonic()
-            return False
-
-        return check
 
     async def _index_holds(self, seqs: Mapping[str, int]) -> bool:
         views = by_worker(await self.index.workers())

@@ -76,7 +76,7 @@ async def test_kafka_unreachable_within_or_beyond_the_rings(
         tmp_path, broker.bootstrap, engines(ring), bridge_args=bridge_args, index_args=index_args
     ) as fleet:
         await fleet.serve(30)
-        await fleet.settle(nudge=lambda: fleet.serve(2))
+        await fleet.settle()
         gaps = await counted(fleet, "gaps_detected_total")
         repairs = await counted(fleet, "gaps_replayed_total", by=by)
         ring_reads = await replayed_from_rings(fleet)
@@ -90,7 +90,7 @@ async def test_kafka_unreachable_within_or_beyond_the_rings(
 
                 await fleet.until(outage_long_enough, f"{OUTAGE_BATCHES} batches published")
         # The batches dropped last show as a gap only with the engine's next one.
-        await fleet.settle(nudge=lambda: fleet.serve(2))
+        await fleet.settle()
         await fleet.assert_agreement()
         detected = await counted(fleet, "gaps_detected_total")
         replayed = await counted(fleet, "gaps_replayed_total", by=by)

@@ -66,7 +66,7 @@ async def test_a_replay_client_that_never_reads_holds_up_nothing(
                 return await fleet.seq("engine-a") >= RING_BATCHES
 
             await fleet.until(ring_filled, f"engine-a's ring holds {RING_BATCHES} batches")
-        await fleet.settle(nudge=lambda: fleet.serve(2))
+        await fleet.settle()
         replay_endpoint = f"tcp://{LOOPBACK}:{fleet.ports['engine-a'].replay}"
         requests = await publisher_stat(fleet, "engine-a", "replay_requests")
         with slow_replay_client(replay_endpoint):
@@ -86,7 +86,7 @@ async def test_a_replay_client_that_never_reads_holds_up_nothing(
                 await fleet.until(burst_done, f"{BURST_BATCHES} more batches from engine-a")
             during = await gaps_replayed(fleet)
             stats = (await fleet.activity("engine-a")).publisher
-            await fleet.settle(nudge=lambda: fleet.serve(2))
+            await fleet.settle()
             await fleet.assert_agreement()
 
             async def abandoned() -> bool:
