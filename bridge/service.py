@@ -432,11 +432,19 @@ class BridgeService:
 
     async def _catch_up_quiet_workers(self) -> None:
         """Every connected worker with a replay endpoint that has been quiet for
-        ``quiet_catch_up`` seconds asks its engine for what follows its last seq."""
+        ``quiet_catch_up`` seconds, while the bridge was reading (its Kafka queue had room),
+        asks its engine for what follows its last seq."""
         interval = self.settings.quiet_catch_up
+        reading_since = time.monotonic()  # quiet counts only while the bridge was reading
         while True:
             await asyncio.sleep(interval / 2)
-            quiet_since = time.monotonic() - interval
+            now = time.monotonic()
+            if self._sink is not None and not self._sink.has_room():
+                reading_since = now  # the intake is paused: the engines may well be busy
+                continue
+            quiet_since = now - interval
+            if reading_since > quiet_since:
+                continue
             for worker, channel in list(self._channels.items()):
                 if channel.address.replay is None or channel.last_heard > quiet_since:
                     continue
