@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import tracemalloc
 from pathlib import Path
 
 import atheris  # type: ignore[import-untyped]
@@ -41,6 +40,7 @@ from fuzz_kit import (  # noqa: E402  (beside this file, not a package)
     MEMORY_CONSTANT,
     MEMORY_MULTIPLE,
     SEED_PAYLOADS,
+    decode_peak,
 )
 
 MEMORY_EVERY = 64  # inputs per decode whose memory is measured (tracemalloc slows it down)
@@ -81,16 +81,7 @@ def check_decode(payload: bytes) -> None:
 
 
 def check_memory(payload: bytes) -> None:
-    tracemalloc.start()
-    try:
-        try:
-            decoded = decode(payload)
-        except WireDecodeError:
-            decoded = None
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    del decoded
+    peak = decode_peak(payload)
     if peak > MEMORY_MULTIPLE * len(payload) + MEMORY_CONSTANT:
         raise AssertionError(f"decoding {len(payload)} bytes peaked at {peak} bytes")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from hmakv.producer.events import (
     ExternalBlockHash,
     KVEvent,
     KVEventBatch,
+    WireDecodeError,
+    decode,
     encode,
 )
 
@@ -78,6 +81,21 @@ def fuzz_settings(examples: int) -> settings:
 # hashes) or an allocation for a length the payload only claims.
 MEMORY_MULTIPLE = 128
 MEMORY_CONSTANT = 64 * 1024
+
+
+def decode_peak(payload: bytes) -> int:
+    """The most memory ``decode`` held at once (its result included), in bytes."""
+    tracemalloc.start()
+    try:
+        try:
+            decoded = decode(payload)
+        except WireDecodeError:
+            decoded = None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    del decoded
+    return peak
 
 
 # --- vLLM's vectors, every generation ---------------------------------------------------------

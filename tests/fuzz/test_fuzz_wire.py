@@ -6,7 +6,6 @@ than its payload (``tracemalloc``, on a bounded sample).
 
 from __future__ import annotations
 
-import tracemalloc
 from collections.abc import Callable
 
 import msgspec
@@ -19,6 +18,7 @@ from fuzz_kit import (
     MEMORY_MULTIPLE,
     SEED_PAYLOADS,
     batches,
+    decode_peak,
     fuzz_settings,
     msgpack_values,
     mutations_of,
@@ -200,21 +200,6 @@ amplifiers = st.builds(
 memory_payloads = st.one_of(
     amplifiers, mutations_of(amplifiers), mutations_of(seed_payloads), st.binary(max_size=256)
 )
-
-
-def decode_peak(payload: bytes) -> int:
-    """The most memory ``decode`` held at once (its result included), in bytes."""
-    tracemalloc.start()
-    try:
-        try:
-            decoded = decode(payload)
-        except WireDecodeError:
-            decoded = None
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    del decoded
-    return peak
 
 
 for _payload in SEED_PAYLOADS.values():  # first calls fill caches that no decode should be charged
