@@ -15,6 +15,25 @@ from collections.abc import Callable
 _RESERVED = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
 
+class Throttle:
+    """One pass per kind per ``interval`` seconds; ``passes`` says how many it held back since
+    the last, or None to hold this one back too."""
+
+    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.interval = interval
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def passes(self, kind: str) -> int | None:
+        now = self._clock()
+        if now - self._last.get(kind, float("-inf")) < self.interval:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return None
+        self._last[kind] = now
+        return self._held.pop(kind, 0)
+
+
 class RateLimitedLog:
     """``level``: WARNING, or lower for incidents that are expected history (the index reading
     older lives' states while it catches up)."""
@@ -27,11 +46,8 @@ class RateLimitedLog:
         level: int = logging.WARNING,
     ) -> None:
         self._logger = logger
-        self._interval = interval
-        self._clock = clock
+        self._throttle = Throttle(interval, clock)
         self._level = level
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
 
     def warning(
         self,
@@ -41,13 +57,11 @@ class RateLimitedLog:
         error: BaseException | None = None,
         **fields: object,
     ) -> None:
-        now = self._clock()
-        if now - self._last.get(kind, float("-inf")) < self._interval:
-            self._held[kind] = self._held.get(kind, 0) + 1
+        held = self._throttle.passes(kind)
+        if held is None:
             return
-        self._last[kind] = now
-        held = self._held.pop(kind, 0)
-        suffix = f" ({held} more like it in the last {self._interval:g} s)" if held else ""
+        interval = self._throttle.interval
+        suffix = f" ({held} more like it in the last {interval:g} s)" if held else ""
         extra = {"kind": kind, **fields}
         self._logger.log(self._level, message + suffix, *args, exc_info=error, extra=extra)
 

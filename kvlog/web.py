@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable, Collection
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from hmakv.kvlog.logs import Throttle
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
 _SERVER_LOGGER = "aiohttp.server"
@@ -63,21 +65,15 @@ class ServerLogFilter(logging.Filter):
 
     def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic):
         super().__init__()
-        self._interval = interval
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
+        self._throttle = Throttle(interval, clock)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        kind = str(record.msg)  # aiohttp's templates: a handful
-        now = self._clock()
-        if now - self._last.get(kind, float("-inf")) < self._interval:
-            self._held[kind] = self._held.get(kind, 0) + 1
+        held = self._throttle.passes(str(record.msg))  # aiohttp's templates: a handful
+        if held is None:
             return False
-        self._last[kind] = now
-        held = self._held.pop(kind, 0)
         if held:
-            record.msg = f"{record.msg} ({held} more like it in the last {self._interval:g} s)"
+            interval = self._throttle.interval
+            record.msg = f"{record.msg} ({held} more like it in the last {interval:g} s)"
         return True
 
 
