@@ -183,6 +183,9 @@ class _ActiveFetch:
     known_end: int
     verify: tuple[int, float] | None = None  # (seq, ts) the first replayed batch must match
     catch_up_from: int | None = None  # a replay after a (re)connect, not for a gap seen live
+    # A replay from 0 asked because a verifying one got no batch at all: the life that published
+    # the batch it verified would have sent that one, so any batch here is another life's.
+    probing: bool = False
     reply_high: int | None = None  # the highest seq the reply has brought so far
     snapshot: list[tuple[int, KVEventBatch | None]] = field(default_factory=list)
 
@@ -306,6 +309,11 @@ class SequenceTracker:
             fetch.snapshot.append((seq, batch))
             return steps
         fetch.reply_high = seq
+        if fetch.probing:
+            cause = "the ring holds batches but not the last one forwarded: another life"
+            self._restart(cause, steps, keep_buffer=True)
+            self._begin_fetch(FetchKind.REPLAY, 0, steps)
+            return self._finish(steps)
         if fetch.verify is not None and not self._verified(fetch, seq, batch, steps):
             return self._finish(steps)
         if seq < self.next_seq:
@@ -326,6 +334,12 @@ class SequenceTracker:
         self._fetch = None
         if fetch.kind is FetchKind.SNAPSHOT:
             self._end_snapshot(fetch, steps)
+        elif fetch.verify is not None:  # not even the batch it verifies: the ring is empty, or
+            self._begin_fetch(FetchKind.REPLAY, 0, steps)  # another life's has fewer seqs
+            assert self._fetch is not None
+            self._fetch.probing = True
+            self._fetch.catch_up_from = fetch.catch_up_from
+            return self._finish(steps)
         elif self._replied_from_another_life(fetch):
             cause = "the replay did not reach batches held from live: another life replied"
             self._restart(cause, steps, keep_buffer=False)
@@ -569,7 +583,9 @@ class SequenceTracker:
     def _replied_from_another_life(self, fetch: _ActiveFetch) -> bool:
         """A reply that ends below a held batch published before the request cannot come from
         the life that published it: its ring held that batch, or later ones it would have sent.
-        (An empty reply proves nothing: a ring may keep nothing at all.)"""
+        (An empty reply proves nothing: a ring may keep nothing at all. An empty reply to a
+        verifying replay is probed from 0: the life that published the batch it verifies holds
+        at least that one, so a ring with any batch but that one is another life's.)"""
         high = fetch.reply_high
         return high is not None and any(high < seq < fetch.known_end for seq, _ in self._buffer)
 

@@ -248,7 +248,9 @@ def test_a_gap_published_after_the_replay_request_is_replayed_not_lost() -> None
     # seqs 3 and 4 got lost live and are seen missing at 5; 6 is lost live during the replay
     replay = only_fetch(tracker.on_live(5, batch(5)))
     assert tracker.on_live(7, batch(7)) == []  # held until the replay ends
-    steps = tracker.on_fetch_end(replay.fetch_id)  # the ring had lost 3 and 4 already
+    # the ring had lost 2, 3 and 4 already: the reply starts at its oldest, 5
+    steps = tracker.on_fetched(replay.fetch_id, 5, batch(5))
+    steps += tracker.on_fetch_end(replay.fetch_id)
     assert GapUnrecoverable(3, 5, "the replay ring no longer reaches back") in steps
     assert [s.seq for s in steps if isinstance(s, Forward)] == [5]
     # 6 may well be in the ring: ask, from seq 5 (the last batch forwarded, to verify)
@@ -478,3 +480,36 @@ def test_a_replay_after_a_loss_verifies_the_last_batch_forwarded_before_it() -> 
     # a successor engine answers: its seq 0 is not the one forwarded, whatever follows it
     steps = tracker.on_fetched(replay.fetch_id, 0, batch(0, life=1))
     assert isinstance(steps[1], EpochStarted)
+
+
+def test_an_empty_answer_to_a_verifying_replay_is_probed_from_0_and_finds_a_new_life() -> None:
+    """A restarted engine left idle: its new seq 0 went out before the bridge's subscription
+    arrived, and the catch-up from the old life's last batch comes back empty (tests/faults
+    found it: the index kept the old life's blocks). The life that published that batch holds
+    at least it, so a ring with batches but not it is another life's."""
+    tracker = SequenceTracker(can_fetch=True)
+    tracker.on_live(0, batch(0))
+    tracker.on_live(1, batch(1))
+    catch_up = only_fetch(tracker.on_connected())
+    assert catch_up.start_seq == 1  # verifying the last batch forwarded
+    probe = only_fetch(tracker.on_fetch_end(catch_up.fetch_id))  # nothing at all
+    assert probe.start_seq == 0
+    new_life = KVEventBatch(ts=100.0, events=[AllBlocksCleared()])
+    steps = tracker.on_fetched(probe.fetch_id, 0, new_life)
+    assert any(isinstance(step, EpochStarted) for step in steps)
+    assert any(isinstance(step, Clear) for step in steps)
+    again = only_fetch(steps)
+    assert again.start_seq == 0 and tracker.epoch == 1
+    steps = tracker.on_fetched(again.fetch_id, 0, new_life)
+    steps += tracker.on_fetch_end(again.fetch_id)
+    assert [(s.epoch, s.seq) for s in steps if isinstance(s, Forward)] == [(1, 0)]
+
+
+def test_an_empty_ring_answers_the_probe_empty_too_and_nothing_restarts() -> None:
+    tracker = SequenceTracker(can_fetch=True)
+    tracker.on_live(0, batch(0))
+    catch_up = only_fetch(tracker.on_connected())
+    probe = only_fetch(tracker.on_fetch_end(catch_up.fetch_id))
+    steps = tracker.on_fetch_end(probe.fetch_id)
+    assert not any(isinstance(step, (EpochStarted, Clear, Fetch)) for step in steps)
+    assert (tracker.epoch, tracker.next_seq) == (0, 1)

@@ -45,9 +45,9 @@ async def test_an_engine_killed_and_restarted_is_a_new_epoch_without_the_old_blo
         replays = await replays_run(fleet)
         kill(fleet.processes["engine-a"])
         await fleet.start_engine("engine-a")
-        # Batches published before the bridge is back on the new life's PUB socket are
-        # missed, and one restart undetected for now (see the xfail below); from then on, the
-        # first live batch tells the new life by its seq going backwards.
+        # Batches published before the bridge is back on the new life's PUB socket are missed
+        # live; its catch-up finds the new life (see the test below), and so would the first
+        # live batch, by its seq going backwards.
         await fleet.until(
             lambda: replays_run_since(fleet, replays), "the bridge back on engine-a (its catch-up)"
         )
@@ -72,17 +72,14 @@ async def test_an_engine_killed_and_restarted_is_a_new_epoch_without_the_old_blo
     assert views["engine-a"].health == "live"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an engine restarted and then idle is not noticed: its seq 0 is published right "
-    "after it binds, before a subscriber can have joined, and the bridge's catch-up replay from "
-    "its resume point comes back empty, which the tracker takes as proving nothing "
-    "(bridge/tracking.py _replied_from_another_life: 'a ring may keep nothing at all'), so the "
-    "index keeps claiming the old life's blocks until the engine's next batch",
-)
 async def test_an_engine_restarted_and_left_idle_loses_its_old_blocks_in_the_index(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
+    """Found by this suite: the new life's seq 0 goes out before a subscriber can have joined,
+    and the catch-up from the resume point came back empty, which proved nothing; the index
+    kept the old life's blocks until the engine's next batch. An empty answer to a verifying
+    replay is now probed from seq 0, and a ring with batches but not the verified one is
+    another life's."""
     async with pipeline(tmp_path, kafka_bootstrap) as fleet:
         await fleet.serve(40)
         await fleet.settle()
