@@ -7,7 +7,10 @@ loop that also does the service's work, and every malformed request logs a trace
 ``aiohttp.server``. ``serve`` closes idle connections after ``idle_timeout`` (a request whose
 headers never complete included), ``concurrency_gate`` answers 429 past ``max_concurrent``
 requests in progress, except for probes and scrapes, and ``ServerLogFilter`` keeps one line of
-each kind of ``aiohttp.server`` message per interval.
+each kind of ``aiohttp.server`` message per interval. A request aiohttp's parser refuses (not
+HTTP at all, a broken header, a line too long) never reaches the app or its middlewares, and
+aiohttp answers it in plain text; ``serve`` answers it with the apps' JSON body
+``{"error": "..."}`` like every other error.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection
+from http import HTTPStatus
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from hmakv.kvlog.logs import Throttle
 
@@ -84,13 +90,45 @@ def quiet_server_log() -> None:
         logger.addFilter(ServerLogFilter())
 
 
+class _JsonErrorHandler(RequestHandler):
+    """aiohttp's connection handler, answering what its parser refuses as JSON."""
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises once a reply is out
+        error = message if message and status != 500 else HTTPStatus(status).phrase
+        response = web.json_response({"error": error}, status=status)
+        response.force_close()
+        return response
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _JsonErrorRunner(web.AppRunner):
+    """An ``AppRunner`` whose connections are ``_JsonErrorHandler``s: aiohttp has no public
+    hook for the answer to a request its parser refused."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # the same server, one method different
+        return server
+
+
 async def serve(
     app: web.Application, host: str, port: int, idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S
 ) -> web.AppRunner:
     """Start serving ``app``, closing a connection that waits ``idle_timeout`` seconds for its
     next complete request head; the caller stops with ``runner.cleanup()``."""
     quiet_server_log()
-    runner = web.AppRunner(app, access_log=None, keepalive_timeout=idle_timeout)
+    runner = _JsonErrorRunner(app, access_log=None, keepalive_timeout=idle_timeout)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

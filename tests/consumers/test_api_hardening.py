@@ -130,6 +130,34 @@ async def test_idle_and_half_sent_connections_are_closed_and_bad_requests_log_on
 
 
 @pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",  # broken header
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",  # a TLS hello: not HTTP
+        b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # a request line too long
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: " + b"b" * 9000 + b"\r\n\r\n",  # a header too long
+    ],
+    ids=["broken-header", "not-http", "long-line", "long-header"],
+)
+async def test_what_the_parser_refuses_is_answered_with_the_json_error_body(
+    request_bytes: bytes,
+) -> None:
+    """aiohttp answers these in plain text before any middleware runs (issue 16)."""
+    port = free_port()
+    runner = await serve(build_app(score_api(ApiLimits())), "127.0.0.1", port)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request_bytes)
+        head, _, body = (await asyncio.wait_for(reader.read(), 5.0)).partition(b"\r\n\r\n")
+        writer.close()
+    finally:
+        await runner.cleanup()
+    assert head.split(b" ")[1] in (b"400", b"431"), head
+    assert b"Content-Type: application/json" in head, head
+    assert json.loads(body)["error"], body
+
+
+@pytest.mark.parametrize(
     ("body", "valid"),
     [
         ({"token_ids": [1, 2]}, True),
