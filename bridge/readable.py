@@ -58,12 +58,13 @@ def take_one(sock: zmq.Socket[bytes]) -> list[bytes]:
     return parts
 
 
-def take_one_with_sender(sock: zmq.Socket[bytes]) -> list[bytes]:
-    """``take_one``, the sender's CURVE key first: ZMQ's ``User-Id`` of the message (z85), as the
-    ZAP handler admitted it. Only for a socket that is a CURVE server."""
+def take_one_with(sock: zmq.Socket[bytes], name: str) -> list[bytes]:
+    """``take_one``, the message's ZMQ property ``name`` first (ASCII): ``User-Id``, the
+    sender's CURVE key (z85) as the ZAP handler admitted it, on a socket that is a CURVE
+    server; ``Peer-Address``, the sender's IP address, on a TCP socket."""
     frame = sock.recv(zmq.NOBLOCK, copy=False)
-    sender = frame.get("User-Id")  # a str for a string property
-    parts = [str(sender).encode("ascii"), frame.bytes]
+    origin = frame.get(name)  # a str for a string property
+    parts = [str(origin).encode("ascii"), frame.bytes]
     while frame.more:
         frame = sock.recv(zmq.NOBLOCK, copy=False)
         parts.append(frame.bytes)

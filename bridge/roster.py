@@ -15,7 +15,8 @@ With CURVE (``join_keys`` given) ZMQ tells each message's sender too, by its cli
 configured engine's topic is taken only from that engine's key, a worker joins by topic only
 from one of ``join_keys`` and is then taken from that key only, and ``admits`` says which keys
 may connect at all (the ZAP handler asks it). Without CURVE anyone who reaches the socket may
-use any topic, and only the allow-list of topics holds.
+use any topic, and only the allow-list of topics holds; a message's ``peer`` (its sender's IP
+address) then stands for its source in the rate of joins.
 
 The roster decides and its owner acts: it is given the channels by worker and two hooks, one
 that makes a joining worker's channel and one that retires a worker, so its rules hold for any
@@ -94,10 +95,11 @@ class Refusal:
 class JoinRate:
     """A token bucket per source: at most ``per_minute`` joins a minute, as many at once.
 
-    The source is the sender's CURVE key, or without CURVE the bound socket as a whole (None):
-    ZMQ names no peer then. Without a bound, one source could fill ``--max-workers`` with made-up
-    workers in a moment and keep real new pods out. Full buckets are forgotten, so the table
-    holds only sources that joined within the last minute.
+    The source is the sender's CURVE key, or without CURVE its IP address: all it can be known
+    by without proof, so pods behind one address share a bucket. Without a bound, one source
+    could fill ``--max-workers`` with made-up workers in a moment and keep real new pods out.
+    Full buckets are forgotten, so the table holds only sources that joined within the last
+    minute.
     """
 
     def __init__(self, per_minute: int, clock: Callable[[], float]) -> None:
@@ -180,6 +182,11 @@ class BoundRoster(Generic[Channel]):
             del self._by_topic[topic]
             self._count_keys()
 
+    @property
+    def joins_by_topic(self) -> bool:
+        """Whether a topic no configured engine has may name a worker (``--join-by-topic``)."""
+        return self._convention is not None
+
     def admits(self, key: bytes) -> bool:
         """Whether a client with this CURVE key (z85) may connect: a configured engine's, or one
         that may join by topic. Safe to call from the ZAP handler's thread."""
@@ -190,9 +197,12 @@ class BoundRoster(Generic[Channel]):
         configured = frozenset(key for key in keys if key is not None)
         self._admitted = configured.union(self._join_keys or ())
 
-    def route(self, topic: bytes, rank: int | None, sender: bytes | None) -> Channel | Refusal:
+    def route(
+        self, topic: bytes, rank: int | None, sender: bytes | None, peer: bytes | None = None
+    ) -> Channel | Refusal:
         """The channel of a message on the bound socket, or why it has none; ``sender`` is its
-        client key (None without CURVE)."""
+        client key (None without CURVE), ``peer`` its IP address (the source of a join without
+        CURVE)."""
         engine = self._by_topic.get(topic)
         if engine is not None:
             if self._join_keys is not None and sender != engine.public_key:
@@ -205,7 +215,7 @@ class BoundRoster(Generic[Channel]):
         if instance is None:
             pattern = self._convention.pattern
             return Refusal(f"topic {topic!r} is no configured engine's and not {pattern}")
-        return self._named(instance, rank, topic, sender)
+        return self._named(instance, rank, topic, sender, peer)
 
     def sole_channel(self, topic: bytes, sender: bytes | None) -> Channel | None:
         """The channel of a configured engine with one worker, if the topic (and, with CURVE,
@@ -230,7 +240,12 @@ class BoundRoster(Generic[Channel]):
         return self._channels[address.worker]
 
     def _named(
-        self, instance: str, rank: int | None, topic: bytes, sender: bytes | None
+        self,
+        instance: str,
+        rank: int | None,
+        topic: bytes,
+        sender: bytes | None,
+        peer: bytes | None,
     ) -> Channel | Refusal:
         """The channel of an instance's worker, joining it if it is new and there is room."""
         worker = instance if rank in (None, 0) else worker_id(instance, rank)
@@ -248,7 +263,8 @@ class BoundRoster(Generic[Channel]):
             return Refusal(f"worker {worker!r} is a configured engine with another topic")
         if self._join_keys is not None and sender not in self._join_keys:
             return self._wrong_key("no configured engine", topic, sender)
-        if not self._join_rate.take(sender):  # first: a join refused here retires no one
+        source = sender if sender is not None else peer
+        if not self._join_rate.take(source):  # first: a join refused here retires no one
             detail = f"more than {self._joins_per_minute} new workers a minute from one source"
             return Refusal(detail, RejectReason.JOIN_RATE_EXCEEDED)
         if len(self._joined) >= self._max_workers and not self._retire_silent():

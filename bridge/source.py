@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -27,9 +28,9 @@ from zmq.utils.monitor import parse_monitor_message
 from hmakv.bridge.channel import SourceSettings, WorkerChannel
 from hmakv.bridge.deadletter import DeadLetterOffice
 from hmakv.bridge.frames import Rejected, decode_payload, split_live
-from hmakv.bridge.intake import Intake
+from hmakv.bridge.intake import Intake, Take
 from hmakv.bridge.metrics import BridgeMetrics
-from hmakv.bridge.readable import Readable, take_one, take_one_with_sender
+from hmakv.bridge.readable import Readable, take_one, take_one_with
 from hmakv.bridge.roster import BoundRoster, Refusal
 from hmakv.kvlog.logs import RateLimitedLog
 from hmakv.producer.curve import connect_to, serve
@@ -83,10 +84,9 @@ class _Subscriber(ABC):
             self.state = state
             self._on_state()
 
-    async def _receive_forever(self, sub: zmq.Socket[bytes], *, signed: bool = False) -> None:
-        """The intake receives from ``sub`` for as long as this source runs; ``signed``: each
-        message comes with its sender's CURVE key first (``take_one_with_sender``)."""
-        self._intake.add(sub, self._on_messages, take_one_with_sender if signed else take_one)
+    async def _receive_forever(self, sub: zmq.Socket[bytes], take: Take = take_one) -> None:
+        """The intake receives from ``sub`` with ``take`` for as long as this source runs."""
+        self._intake.add(sub, self._on_messages, take)
         try:
             await asyncio.get_running_loop().create_future()  # until cancelled
         finally:
@@ -240,9 +240,19 @@ class BoundSource(_Subscriber):
         sub.subscribe(b"")
         self._set_state(SourceState.CONNECTED)
         try:
-            await self._receive_forever(sub, signed=keys is not None)
+            await self._receive_forever(sub, self._take())
         finally:
             sub.close(linger=0)
+
+    def _take(self) -> Take:
+        """How a message is taken: with CURVE its sender's key first, which the roster checks
+        against its topic; else, where workers join by topic, its sender's address first, the
+        source of a join; else alone."""
+        if self._settings.curve_keys is not None:
+            return functools.partial(take_one_with, name="User-Id")
+        if self._roster.joins_by_topic:
+            return functools.partial(take_one_with, name="Peer-Address")
+        return take_one
 
     def _flush_counts(self) -> None:
         for channel in self._touched:
@@ -250,9 +260,11 @@ class BoundSource(_Subscriber):
         self._touched.clear()
 
     def _on_message(self, frames: list[bytes]) -> None:
-        sender = None
+        sender = peer = None
         if self._settings.curve_keys is not None:
             sender, frames = frames[0], frames[1:]
+        elif self._roster.joins_by_topic:
+            peer, frames = frames[0], frames[1:]
         message = split_live(frames, None)
         if isinstance(message, Rejected):
             self._office.reject(self.name, message)
@@ -267,7 +279,8 @@ class BoundSource(_Subscriber):
                 self._touched.add(sole)
                 sole.on_undecodable(message.seq)
             return
-        channel = self._roster.route(message.topic, decoded.batch.data_parallel_rank, sender)
+        rank = decoded.batch.data_parallel_rank
+        channel = self._roster.route(message.topic, rank, sender, peer)
         if isinstance(channel, Refusal):
             refused = Rejected(channel.reason, channel.detail, frames, message.seq)
             self._office.reject(_topic_name(message), refused)

@@ -621,3 +621,35 @@ async def test_a_pod_past_max_workers_waits_for_a_silent_one_to_be_retired(
     # its first 20 steps were dead-lettered: it joined with them lost, cleared and degraded
     early = [r.events for r in log.records_of("pod-c") if r.seq <= 20]
     assert early and all(events == [AllBlocksCleared()] for events in early)
+
+
+async def test_without_curve_each_peer_address_has_its_own_rate_of_joins(
+    kafka_bootstrap: str,
+) -> None:
+    """Without CURVE a message's source is its sender's IP address (ZMQ's ``Peer-Address``):
+    one address past --max-joins-per-minute is dead-lettered as ``join_rate_exceeded``, while a
+    pod at another address still joins. The two addresses are loopback's 127.0.0.2 and .3."""
+    port = free_port()
+    settings = settings_for(
+        kafka_bootstrap,
+        bind_sub=f"tcp://0.0.0.0:{port}",
+        join_by_topic=True,
+        max_joins_per_minute=2,
+    )
+    log = KafkaLog(kafka_bootstrap, settings.topics)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    async with running_bridge(settings, []) as bridge:
+        try:
+            flood = await connected_to(ctx, f"tcp://127.0.0.2:0;127.0.0.1:{port}")
+            other = await connected_to(ctx, f"tcp://127.0.0.3:0;127.0.0.1:{port}")
+            for pod in ("a0", "a1", "a2", "a3"):
+                flood.send_multipart([f"kv@{pod}@m".encode(), encode_seq(1), encode(step_batch(1))])
+            other.send_multipart([b"kv@b0@m", encode_seq(1), encode(step_batch(1))])
+            await log.wait_for(lambda log: log.has_seq("b0", 1), "the other address's pod")
+            await metric_reaches(
+                bridge, "hmakv_bridge_frames_rejected_total", 2, reason="join_rate_exceeded"
+            )
+        finally:
+            ctx.destroy(linger=0)
+    assert {r.worker for r in log.events} == {"a0", "a1", "b0"}
+    assert [d.reason for d in log.dead_letters] == ["join_rate_exceeded"] * 2

@@ -250,3 +250,12 @@ def test_one_source_joins_at_most_its_rate_and_others_are_not_held_up() -> None:
     owner.now += 20.0  # a third of a minute: one more join
     assert owner.route(b"kv@p3@m", 0, KEY_POD) == "p3"
     assert isinstance(owner.roster.route(b"kv@p4@m", 0, KEY_POD), Refusal)
+
+
+def test_without_curve_the_peer_address_is_the_source_of_a_join() -> None:
+    owner = Owner(joins_per_minute=1)
+    assert owner.roster.route(b"kv@p0@m", 0, None, b"10.0.0.1") == "p0"
+    refused = owner.roster.route(b"kv@p1@m", 0, None, b"10.0.0.1")
+    assert isinstance(refused, Refusal) and refused.reason is RejectReason.JOIN_RATE_EXCEEDED
+    assert owner.roster.route(b"kv@q0@m", 0, None, b"10.0.0.2") == "q0"
+    assert owner.roster.route(b"kv@p0@m", 0, None, b"10.0.0.9") == "p0"  # not a join: no key
