@@ -26,6 +26,12 @@ Why it is shaped this way:
   last copy.
 - The bridge delivers at least once: the last applied seq per (worker, epoch, group) makes a
   replayed record a no-op, an older epoch is ignored and a newer one clears the worker first.
+- A routing decision is known before its events arrive: ``speculate`` marks a prompt's blocks
+  as held by the worker it was sent to, in a medium table of the index's own
+  (``SPECULATIVE_MEDIUM``, same lanes and packed ints), until a real event of the block in that
+  group confirms or removes it, or its expiry passes (``expire_speculation``: the index keeps no
+  clock). Clears, epochs, dropped groups and departures drop it with the rest, so it never hides
+  a removal; snapshots leave it out, and only ``speculative_hit_tokens`` reads it.
 - A worker running vLLM's lookahead hashing (EAGLE drafters, vLLM 0.33.0) hashes each block
   together with the tokens after it; its stores say how many (``lookahead_token_ids``), and a
   score call is given the prompt's hashes for each such setting in the fleet (see ``score``).
@@ -42,8 +48,8 @@ from operator import or_
 import msgspec
 
 from hmakv.consumers import index_snapshot
-from hmakv.consumers.hit_rule import GroupRule, rule_for
-from hmakv.consumers.scoring import CatalogClass, Fleet, Roster, Scorer
+from hmakv.consumers.hit_rule import GroupRule, alignment, rule_for
+from hmakv.consumers.scoring import SPECULATIVE_MEDIUM, CatalogClass, Fleet, Roster, Scorer
 from hmakv.kvlog.answers import WorkerHit
 from hmakv.kvlog.records import HEALTH_STATES, EventRecord, Health
 from hmakv.producer.events import (
@@ -82,6 +88,10 @@ class ApplyOutcome(enum.Enum):
     STALE_EPOCH = "stale_epoch"
 
 
+class UnknownWorker(ValueError):
+    """Speculation names a worker the index does not know: a router never creates workers."""
+
+
 class IndexCounters(msgspec.Struct, gc=False):
     """Monotonic counters for the exporter: every odd or ignored input is counted, none dropped.
 
@@ -94,7 +104,12 @@ class IndexCounters(msgspec.Struct, gc=False):
     teach no group spec; ``workers_retired`` workers dropped as retired, and ``retired_ignored``
     records of a retired worker's life read after it was retired; ``blocks_refused`` stored
     blocks not kept, past a worker's ``max_blocks_per_worker`` or on a medium past
-    ``MAX_MEDIA`` (the index then knows less than the engine holds, never more).
+    ``MAX_MEDIA`` (the index then knows less than the engine holds, never more);
+    ``reserved_medium_blocks`` blocks of stores and removals an engine sent on the speculative
+    medium's name, refused. Speculative blocks (``speculate``): ``speculated`` added,
+    ``speculation_confirmed`` dropped by a real store, ``speculation_removed`` by a real removal,
+    clear, new epoch, dropped group or departure, ``speculation_expired`` by their expiry, and
+    ``speculation_refused`` not added, past ``max_blocks_per_worker``.
     """
 
     stored: int = 0
@@ -110,6 +125,12 @@ class IndexCounters(msgspec.Struct, gc=False):
     workers_retired: int = 0
     retired_ignored: int = 0
     blocks_refused: int = 0
+    reserved_medium_blocks: int = 0
+    speculated: int = 0
+    speculation_confirmed: int = 0
+    speculation_removed: int = 0
+    speculation_expired: int = 0
+    speculation_refused: int = 0
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, gc=False):
@@ -123,6 +144,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, gc=False):
     last_seq: dict[int, int]
     resident: dict[int, dict[str, int]]
     hash_lookahead: int = 0
+    speculative_blocks: int = 0
 
 
 class _Worker:
@@ -147,6 +169,7 @@ class _Worker:
         "patterns",
         "resident",
         "slot",
+        "speculative",
     )
 
     def __init__(self, name: str, slot: int) -> None:
@@ -163,6 +186,12 @@ class _Worker:
         self.next_event: dict[int, int] = {}  # per group: events of its last_seq applied
         self.resident: dict[LaneKey, int] = {}
         self.lookahead = 0  # vLLM's num_hash_lookahead_tokens, as its stores show it
+        # (group, hash) -> when its speculative holding expires; not in ``resident``
+        self.speculative: dict[tuple[int, ExternalBlockHash], float] = {}
+
+
+# (expires at, serial, worker, (group, hash) keys): one ``speculate`` call's holdings.
+_Expiry = tuple[float, int, _Worker, list[tuple[int, ExternalBlockHash]]]
 
 
 class _Medium:
@@ -205,6 +234,8 @@ class KVIndex:
         self.hash_block_size = hash_block_size
         self.max_blocks_per_worker = max_blocks_per_worker
         weights = DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights
+        if SPECULATIVE_MEDIUM in weights:
+            raise ValueError(f"{SPECULATIVE_MEDIUM} is the index's own medium: it has no tier")
         self._scorer = Scorer(hash_block_size, weights)
         self._workers: dict[str, _Worker] = {}
         self._by_slot: dict[int, _Worker] = {}
@@ -221,6 +252,11 @@ class KVIndex:
         # Workers retired and not back: the first epoch that may return (older records of a
         # retired life are still in Kafka, and must not bring the worker back).
         self._retired: dict[str, int] = {}
+        self._speculating = 0  # the bits of workers holding speculative blocks
+        # (expires at, serial, worker, its (group, hash) keys): what ``speculate`` added, by
+        # expiry; a key renewed or dropped since is skipped when its entry comes up.
+        self._expiries: list[_Expiry] = []
+        self._serial = 0
 
     # ----------------------------------------------------------------------------- applying
 
@@ -251,15 +287,40 @@ class KVIndex:
                 lookahead = event.lookahead_token_ids
                 if (len(lookahead[0]) if lookahead else 0) != worker.lookahead:
                     self._learn_lookahead(worker, event)
-                self._store(worker, group, event.medium or MEDIUM_GPU, _as_keys(event.block_hashes))
+                self._apply_blocks(worker, group, event.medium, event.block_hashes, stored=True)
             elif isinstance(event, BlockRemoved):
-                self._remove(
-                    worker, group, event.medium or MEDIUM_GPU, _as_keys(event.block_hashes)
-                )
+                self._apply_blocks(worker, group, event.medium, event.block_hashes, stored=False)
             else:
                 self._drop(worker, (group,))
                 self._counters.cleared += 1
         return ApplyOutcome.APPLIED
+
+    def _apply_blocks(
+        self,
+        worker: _Worker,
+        group: int,
+        medium: str | None,
+        block_hashes: Sequence[ExternalBlockHash],
+        *,
+        stored: bool,
+    ) -> None:
+        """A real store or removal; either settles the blocks' speculative holdings in the group
+        (a removal must never stay hidden behind one)."""
+        medium = medium or MEDIUM_GPU
+        if medium == SPECULATIVE_MEDIUM:
+            self._counters.reserved_medium_blocks += len(block_hashes)
+            return
+        hashes = _as_keys(block_hashes)
+        if stored:
+            self._store(worker, group, medium, hashes)
+        else:
+            self._remove(worker, group, medium, hashes)
+        if worker.speculative:
+            settled = self._unspeculate(worker, group, hashes)
+            if stored:
+                self._counters.speculation_confirmed += settled
+            else:
+                self._counters.speculation_removed += settled
 
     def set_catalog(self, worker: str, groups: Mapping[int, GroupSpec]) -> None:
         """Set a worker's groups explicitly, e.g. from ``hmakv.workers`` or configuration.
@@ -411,7 +472,7 @@ class KVIndex:
         """The medium a store names, made if new and there is room: a medium is any string an
         engine sends, and each is a table of its own."""
         medium = self._media.get(name)
-        if medium is None and len(self._media) < MAX_MEDIA:
+        if medium is None and len(self._media) - (SPECULATIVE_MEDIUM in self._media) < MAX_MEDIA:
             medium = self._media[name] = _Medium()
         return medium
 
@@ -568,6 +629,129 @@ class KVIndex:
                 medium.copies.pop((group, worker.slot), None)
         for key in [key for key in worker.resident if key[0] in groups]:
             del worker.resident[key]
+        if worker.speculative:
+            self._drop_speculation(worker, groups)
+
+    def _drop_speculation(self, worker: _Worker, groups: set[int]) -> None:
+        """Forget the groups' speculative keys, whose blocks ``_drop`` took from the table."""
+        speculative = worker.speculative
+        gone = [key for key in speculative if key[0] in groups]
+        for key in gone:
+            del speculative[key]
+        self._counters.speculation_removed += len(gone)
+        if not speculative:
+            self._speculating &= ~worker.bit
+
+    # ----------------------------------------------------------------------------- speculation
+
+    def speculate(
+        self,
+        worker: str,
+        block_hashes: Sequence[ExternalBlockHash],
+        num_tokens: int,
+        *,
+        expires_at: float,
+    ) -> int:
+        """Count a prompt just routed to ``worker`` as held there until ``expires_at`` (on the
+        caller's clock, see ``expire_speculation``), or until its events settle each block; the
+        blocks newly held speculatively (renewed ones are not counted again).
+
+        Each group of the worker's catalog gets the blocks its engine caches once it computed the
+        prompt (``_cached_by_prefill``), at the group's own block size; blocks it really holds on
+        the GPU are left alone. Past ``max_blocks_per_worker`` (real and speculative blocks
+        together) blocks are refused and counted; real stores never are for speculation's sake.
+        Raises ``UnknownWorker``: a router must not make the index invent workers.
+        """
+        state = self._workers.get(worker)
+        if state is None:
+            raise UnknownWorker(worker)
+        rules = self._rules(sorted(state.groups.items()))
+        if not rules:
+            return 0
+        keys = _as_keys(block_hashes)[: num_tokens // self.hash_block_size]
+        align = alignment(rules)
+        room = self.max_blocks_per_worker - sum(state.resident.values()) - len(state.speculative)
+        held: list[tuple[int, ExternalBlockHash]] = []
+        added = 0
+        for rule in rules:
+            hashes = _cached_by_prefill(rule, keys, self.hash_block_size, num_tokens, align)
+            added += self._speculate_group(
+                state, rule.group_idx, hashes, expires_at, room - added, held
+            )
+        if held:
+            self._serial += 1
+            heapq.heappush(self._expiries, (expires_at, self._serial, state, held))
+            self._speculating |= state.bit
+        self._counters.speculated += added
+        return added
+
+    def expire_speculation(self, now: float) -> int:
+        """Drop the speculative blocks whose expiry is at or before ``now``; how many went.
+
+        Costs what expires: the entries come off a heap by expiry, and a block renewed or
+        settled since its entry was made is passed over.
+        """
+        expired = 0
+        while self._expiries and self._expiries[0][0] <= now:
+            _, _, worker, keys = heapq.heappop(self._expiries)
+            by_group: dict[int, list[ExternalBlockHash]] = {}
+            for group, block_hash in keys:
+                if worker.speculative.get((group, block_hash), now + 1) <= now:
+                    by_group.setdefault(group, []).append(block_hash)
+            for group, hashes in by_group.items():
+                expired += self._unspeculate(worker, group, hashes)
+        self._counters.speculation_expired += expired
+        return expired
+
+    def next_expiry(self) -> float | None:
+        """When the earliest speculative entry expires (None without any)."""
+        return self._expiries[0][0] if self._expiries else None
+
+    def _speculate_group(
+        self,
+        worker: _Worker,
+        group: int,
+        hashes: Sequence[ExternalBlockHash],
+        expires_at: float,
+        room: int,
+        held: list[tuple[int, ExternalBlockHash]],
+    ) -> int:
+        """Hold the group's blocks speculatively, set-wise (held again: renewed); how many new.
+
+        Every key held or renewed goes to ``held``, for the expiry heap."""
+        bit = self._lane_bit(worker, group)
+        gpu = self._media.get(MEDIUM_GPU)
+        really = gpu.owners if gpu is not None else {}
+        owners = self._medium(SPECULATIVE_MEDIUM).owners
+        speculative = worker.speculative
+        stamp = bit | worker.bit
+        added = refused = 0
+        for block_hash in hashes:
+            if really.get(block_hash, 0) & bit:
+                continue
+            key = (group, block_hash)
+            known = speculative.get(key)
+            if known is None:
+                if added >= room:
+                    refused += 1
+                    continue
+                owners[block_hash] = self._intern(owners.get(block_hash, 0) | stamp)
+                added += 1
+            speculative[key] = expires_at if known is None else max(known, expires_at)
+            held.append(key)
+        self._counters.speculation_refused += refused
+        return added
+
+    def _unspeculate(self, worker: _Worker, group: int, hashes: Sequence[ExternalBlockHash]) -> int:
+        """Drop the worker's speculative holdings of these hashes in the group; how many it had."""
+        speculative = worker.speculative
+        held = [h for h in hashes if speculative.pop((group, h), None) is not None]
+        if held:
+            medium = self._media[SPECULATIVE_MEDIUM]
+            _remove_copies(worker, group, medium, held, self._lane_bit(worker, group), 0)
+            if not speculative:
+                self._speculating &= ~worker.bit
+        return len(held)
 
     # ----------------------------------------------------------------------------- reading
 
@@ -603,6 +787,7 @@ class KVIndex:
             last_seq=dict(worker.last_seq),
             resident=resident,
             hash_lookahead=worker.lookahead,
+            speculative_blocks=len(worker.speculative),
         )
 
     def _catalog_classes(self) -> list[CatalogClass]:
@@ -661,7 +846,13 @@ class KVIndex:
         partitions it reads and how far behind the bridge and Kafka it is.
         """
         scored = self._everyone if workers is None else self._bits_of(workers)
-        fleet = Fleet(self._media, self._catalog_classes(), self._lookahead_bits, self._roster())
+        fleet = Fleet(
+            self._media,
+            self._catalog_classes(),
+            self._lookahead_bits,
+            self._roster(),
+            self._speculating,
+        )
         return self._scorer.score(
             fleet,
             _as_keys(block_hashes),
@@ -687,6 +878,8 @@ class KVIndex:
 
         A packed int goes as every group's bitset over the slots in use, lane after lane, without
         lane 0 (their OR): no padding, and the same bytes whatever width the lanes have here.
+        Speculative holdings are left out: they last seconds, and a restored index has not
+        routed anything.
         """
         slots = max((worker.slot + 1 for worker in self._workers.values()), default=1)
         moves = [(lane * self._width, (lane - 1) * slots) for lane in self._lanes.values()]
@@ -699,7 +892,7 @@ class KVIndex:
                 media=[
                     index_snapshot.medium_snapshot(name, medium.owners, medium.copies, packed)
                     for name, medium in self._media.items()
-                    if medium.owners
+                    if medium.owners and name != SPECULATIVE_MEDIUM
                 ],
                 retired=self._retired,
             )
@@ -791,6 +984,28 @@ def _fitting_width(width: int, slots: int) -> int:
 def _moved(held: int, moves: Sequence[tuple[int, int]], mask: int) -> int:
     """``held``'s lanes moved: the ``mask`` bits at each source offset go to its target one."""
     return reduce(or_, ((held >> source & mask) << target for source, target in moves), 0)
+
+
+def _cached_by_prefill(
+    rule: GroupRule,
+    hashes: Sequence[ExternalBlockHash],
+    hash_block_size: int,
+    num_tokens: int,
+    align: int,
+) -> Sequence[ExternalBlockHash]:
+    """The group's blocks (by the hash of each one's last sub-block) that its engine caches once
+    it computed a prompt of ``num_tokens`` with these full hash blocks.
+
+    Attention groups (full, window, chunked local) cache every full block; a mamba group in
+    vLLM's "align" mode only the state block that the prefill's aligned split ends on, at the
+    longest aligned length within the prompt (the scheduler stops a chunk there so that it is
+    cached; a request decoding or prefilled in smaller chunks may cache more).
+    """
+    step = rule.block_size // hash_block_size
+    if rule.rule != "state":
+        return hashes[step - 1 : len(hashes) // step * step : step]
+    end = num_tokens // align * align // hash_block_size  # hash blocks up to the state
+    return [hashes[end - 1]] if end >= step and end <= len(hashes) else []
 
 
 def _unapplied(worker: _Worker, record: EventRecord) -> list[KVEvent] | None:

@@ -31,6 +31,9 @@ from hmakv.kvlog.records import Health
 from hmakv.producer.events import MEDIUM_GPU, ExternalBlockHash
 
 ROSTER_SETS = 1024  # worker sets whose names a score call may reuse
+# The table of blocks routed to a worker and not yet confirmed by its events: a medium of the
+# index's own, under a name no engine may store on (the index refuses it), read with the GPU's.
+SPECULATIVE_MEDIUM = "~speculative"
 
 Media = tuple[str, ...]
 # What a score call answers per worker: the hit, each group's own hit, each tier's, the blind one.
@@ -38,7 +41,9 @@ AnswerKey = tuple[str, int | str]
 _HIT: AnswerKey = ("hit", 0)
 _BLIND: AnswerKey = ("blind", 0)
 _LOOKAHEAD: AnswerKey = ("lookahead", 0)  # the hashing a worker was scored with, not a hit
+_SPECULATIVE: AnswerKey = ("speculative", 0)
 _GPU_ONLY: Media = (MEDIUM_GPU,)
+_GPU_AND_SPECULATIVE: Media = (MEDIUM_GPU, SPECULATIVE_MEDIUM)
 
 
 class Held(Protocol):
@@ -113,6 +118,7 @@ class Fleet(NamedTuple):
     classes: Sequence[CatalogClass]
     lookahead_bits: Mapping[int, int]  # lookahead > 0 -> its workers' bits
     roster: Roster
+    speculating: int = 0  # the bits of workers holding speculative blocks
 
 
 class Scorer:
@@ -142,7 +148,7 @@ class Scorer:
         for hashes, members in prompts:
             max_tokens = max(0, min(num_tokens - 1, len(hashes) * self.hash_block_size))
             residency = _Residency(fleet.media, hashes, self.hash_block_size, max_tokens)
-            call = _Call(residency, max_tokens, answers, details, fleet.media)
+            call = _Call(residency, max_tokens, answers, details, fleet.media, fleet.speculating)
             for catalog_class in fleet.classes:
                 class_members = catalog_class.everyone & members
                 if class_members and catalog_class.rules:
@@ -156,6 +162,7 @@ class Scorer:
         gpu = _acceptances(catalog_class, call.residency, _GPU_ONLY)
         gpu_hits = longest_hits(gpu, members, align, call.max_tokens)
         call.answers.record(_HIT, gpu_hits)
+        self._score_speculative(catalog_class, members & call.speculating, call)
         if not call.details:
             return
         # Every group accepts the whole length for a worker whose hit it is: only the others scan.
@@ -169,6 +176,15 @@ class Scorer:
                 hits.append((top, topped))
             call.answers.record(("group", acceptance.rule.group_idx), hits)
         self._score_tiers(catalog_class, members, call)
+
+    @staticmethod
+    def _score_speculative(catalog_class: CatalogClass, members: int, call: _Call) -> None:
+        """The GPU hit with speculative blocks held too, for the workers that have any (the
+        others' is their hit)."""
+        if members:
+            acceptances = _acceptances(catalog_class, call.residency, _GPU_AND_SPECULATIVE)
+            hits = longest_hits(acceptances, members, catalog_class.align, call.max_tokens)
+            call.answers.record(_SPECULATIVE, hits)
 
     def _score_tiers(self, catalog_class: CatalogClass, members: int, call: _Call) -> None:
         """The hit on each tier of the ladder below the GPU's (which is the hit).
@@ -196,7 +212,8 @@ class Scorer:
         return longest_hits([anywhere], everyone, size, max_tokens)
 
     def _hits(self, answers: _Answers, roster: Roster, details: bool) -> list[WorkerHit]:
-        """Best first (weighted tokens, then hit), by name among equal answers.
+        """Best first (speculative weighted tokens, weighted tokens, hit), by name among equal
+        answers.
 
         Sorting the few parts, not the workers, and building each part's answers in one C-level
         pass over its workers' names (listed once per worker set, see ``Roster``) keeps this
@@ -229,6 +246,7 @@ class Scorer:
                 if kind == "group" and isinstance(group, int)
             }
             tiers, weighted = self._ladder(answers, hit)
+        speculative = answers.get(_SPECULATIVE, hit)
         return WorkerHit(
             "",
             hit,
@@ -242,6 +260,9 @@ class Scorer:
             answers.get(_BLIND, 0),
             (),
             answers.get(_LOOKAHEAD, 0),
+            False,
+            speculative,
+            weighted + (speculative - hit) * self._gpu_weight,
         )
 
     def _ladder(self, answers: dict[AnswerKey, int], hit: int) -> tuple[dict[str, int], float]:
@@ -293,8 +314,9 @@ def _acceptances(
     ]
 
 
-def _rank(part: tuple[WorkerHit, int]) -> tuple[float, int]:
-    return -part[0].weighted_tokens, -part[0].hit_tokens
+def _rank(part: tuple[WorkerHit, int]) -> tuple[float, float, int]:
+    hit = part[0]
+    return -(hit.speculative_weighted_tokens or 0.0), -hit.weighted_tokens, -hit.hit_tokens
 
 
 def _worker_hits(
@@ -315,6 +337,9 @@ def _worker_hits(
         repeat(payload.group_blind_hit_tokens),
         repeat(()),  # stale_groups: the index knows no partitions, the API adds them
         repeat(payload.hash_lookahead),
+        repeat(False),  # stale: the follower's to say
+        repeat(payload.speculative_hit_tokens),
+        repeat(payload.speculative_weighted_tokens),
     )
 
 
@@ -357,6 +382,7 @@ class _Call(NamedTuple):
     answers: _Answers
     details: bool
     media: Mapping[str, Held]
+    speculating: int
 
 
 class _Residency:

@@ -71,6 +71,21 @@ class WorkerHit(msgspec.Struct, frozen=True, gc=False):
             "--max-worker-lag, or Kafka silent (then every worker is); never the best"
         ),
     ] = False
+    speculative_hit_tokens: Annotated[
+        int | None,
+        Doc(
+            description="the GPU hit when the blocks of prompts routed to the worker and not yet "
+            "confirmed by its events count as held (POST /v1/routed); equals hit_tokens when it "
+            "holds none (null: an index without speculation)"
+        ),
+    ] = None
+    speculative_weighted_tokens: Annotated[
+        float | None,
+        Doc(
+            description="score plus the GPU tier's weight times (speculative_hit_tokens - "
+            "hit_tokens): what best ranks by first (null: an index without speculation)"
+        ),
+    ] = msgspec.field(default=None, name="speculative_score")
 
 
 class GroupBlindAnswer(msgspec.Struct, kw_only=True):
@@ -163,7 +178,9 @@ def best_worker(answers: Iterable[A], rank: Callable[[A], Rank]) -> A | None:
 
 def hma_best(hits: Iterable[WorkerHit]) -> WorkerHit | None:
     """``ScoreResponse.best``: of the workers a router may be sent to, the one with the most
-    tier-weighted tokens, then the longest GPU hit."""
+    tier-weighted tokens counting speculative blocks as GPU ones, then without them, then the
+    longest GPU hit. A prompt routed a moment ago is where its follow-up hits, before the
+    engine's events say so; without speculation the first two figures are equal."""
     return best_worker(filter(routable, hits), _hma_rank)
 
 
@@ -190,7 +207,13 @@ def routable(hit: WorkerHit) -> bool:
 
 
 def _hma_rank(hit: WorkerHit) -> Rank:
-    return hit.weighted_tokens, hit.hit_tokens
+    return speculative_score(hit), hit.weighted_tokens, hit.hit_tokens
+
+
+def speculative_score(hit: WorkerHit) -> float:
+    """The score with speculative blocks counted, or the plain one from an older index."""
+    speculative = hit.speculative_weighted_tokens
+    return hit.weighted_tokens if speculative is None else speculative
 
 
 def _group_blind_rank(hit: WorkerHit) -> Rank:
