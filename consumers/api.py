@@ -23,7 +23,7 @@ import hmac
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -33,7 +33,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from hmakv.consumers.follower import Follower
 from hmakv.consumers.freshness import Freshness, NotReady, not_ready, record_age
-from hmakv.consumers.index import WorkerInfo
+from hmakv.consumers.index import UnknownWorker, WorkerInfo
 from hmakv.consumers.stats import ScoreStats
 from hmakv.kvlog.answers import (
     ScoreResponse,
@@ -54,6 +54,7 @@ from hmakv.producer.hashing import (
 )
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+P = TypeVar("P", bound="Prompt")
 
 _MAX_EXTERNAL_HASH = 2**64 - 1
 _HASHER_CACHE_SIZE = 16
@@ -97,8 +98,8 @@ BlockHashIn = Annotated[
 ExtraKey = str | int | list[str | int]
 
 
-class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A prompt to score: its token ids (hashed here as vLLM hashes them) or its block hashes."""
+class Prompt(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A prompt: its token ids (hashed here as vLLM hashes them) or its block hashes."""
 
     token_ids: list[TokenId] | None = None
     block_hashes: list[BlockHashIn] | None = None
@@ -121,9 +122,33 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         list[list[ExtraKey] | None] | None,
         Doc(description="each full block's extra keys as vLLM builds them (or lora_name/salt)"),
     ] = None
+
+
+class ScoreRequest(Prompt, forbid_unknown_fields=True, kw_only=True):
+    """A prompt to score: its token ids (hashed here as vLLM hashes them) or its block hashes."""
+
     workers: Annotated[
         list[str] | None, Doc(description="score only these (unknown: left out)")
     ] = None
+
+
+class RoutedRequest(Prompt, forbid_unknown_fields=True, kw_only=True):
+    """A prompt a router sent to ``worker``: its blocks count as held there (speculative_hit_tokens
+    in /v1/score) until the worker's events confirm or remove them, or the TTL passes."""
+
+    worker: Annotated[str, Doc(min_length=1, description="a worker the index knows")]
+    ttl_s: Annotated[
+        Annotated[float, Doc(gt=0)] | None,
+        Doc(description="seconds to hold them (default: follows the measured event lag; capped)"),
+    ] = None
+
+
+class RoutedResponse(msgspec.Struct, kw_only=True):
+    worker: str
+    speculated_blocks: Annotated[
+        int, Doc(description="blocks newly held speculatively, over every group")
+    ]
+    expires_in_s: Annotated[float, Doc(description="seconds until they expire, unless settled")]
 
 
 class Liveness(msgspec.Struct, kw_only=True):
@@ -211,6 +236,7 @@ class ScoreApi:
         self.hashing = hashing
         self.limits = limits
         self._decoder = msgspec.json.Decoder(ScoreRequest)
+        self._routed_decoder = msgspec.json.Decoder(RoutedRequest)
 
     def routes(self) -> list[Route]:
         return [
@@ -222,6 +248,16 @@ class ScoreApi:
                 ScoreResponse,
                 request=ScoreRequest,
                 errors=(400, 401, 408, 413, 429),
+            ),
+            Route(
+                "POST",
+                "/v1/routed",
+                self.routed,
+                "A prompt was routed to a worker: hold its blocks there speculatively until its "
+                "events arrive",
+                RoutedResponse,
+                request=RoutedRequest,
+                errors=(400, 401, 404, 408, 413, 429),
             ),
             Route(
                 "GET",
@@ -256,14 +292,29 @@ class ScoreApi:
     async def score(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
         try:
-            response = self._score(await self._body(request))
+            response = self._score(await self._body(request, self._decoder))
         except _BadRequest as bad:
             self.stats.record("rejected", time.perf_counter() - started)
             return _error(bad.status, str(bad))
         self.stats.record("ok", time.perf_counter() - started)
         return _json(response)
 
-    async def _body(self, request: web.Request) -> ScoreRequest:
+    async def routed(self, request: web.Request) -> web.Response:
+        try:
+            routed = await self._body(request, self._routed_decoder)
+            hashes, num_tokens = self._prompt(routed, self.follower.index.hash_block_size)
+            blocks, ttl = self.follower.speculate(routed.worker, hashes, num_tokens, routed.ttl_s)
+        except _BadRequest as bad:
+            self.stats.record_routed("rejected")
+            return _error(bad.status, str(bad))
+        except UnknownWorker as unknown:
+            self.stats.record_routed("unknown_worker")
+            return _error(404, f"unknown worker {unknown}: the index makes none up")
+        self.stats.record_routed("ok")
+        answer = RoutedResponse(worker=routed.worker, speculated_blocks=blocks, expires_in_s=ttl)
+        return _json(answer)
+
+    async def _body(self, request: web.Request, decoder: msgspec.json.Decoder[P]) -> P:
         try:
             async with asyncio.timeout(self.limits.read_timeout):
                 body = await request.read()
@@ -276,7 +327,7 @@ class ScoreApi:
         if not body:
             raise _BadRequest(400, "empty body: expected a JSON object")
         try:
-            return self._decoder.decode(body)
+            return decoder.decode(body)
         except msgspec.ValidationError as exc:
             raise _BadRequest(400, f"invalid request: {exc}") from exc
         except msgspec.DecodeError as exc:
@@ -285,6 +336,7 @@ class ScoreApi:
     def _score(self, request: ScoreRequest) -> ScoreResponse:
         index = self.follower.index
         hashes, num_tokens = self._prompt(request, index.hash_block_size)
+        self.follower.expire_speculation()
         rehash = None
         if request.token_ids is not None:
             rehash = functools.partial(
@@ -319,9 +371,7 @@ class ScoreApi:
             raise _BadRequest(413, f"more than {self.limits.max_worker_filter} workers to filter")
         return set(workers)
 
-    def _prompt(
-        self, request: ScoreRequest, hash_block_size: int
-    ) -> tuple[list[ExternalBlockHash], int]:
+    def _prompt(self, request: Prompt, hash_block_size: int) -> tuple[list[ExternalBlockHash], int]:
         """The prompt's block hashes at the index's block size, and its length in tokens."""
         if (request.token_ids is None) == (request.block_hashes is None):
             raise _BadRequest(400, "give exactly one of token_ids and block_hashes")
@@ -337,7 +387,7 @@ class ScoreApi:
         return self._given_hashes(request, request.block_hashes or [], block_size)
 
     def _hash_tokens(
-        self, request: ScoreRequest, token_ids: list[int], block_size: int
+        self, request: Prompt, token_ids: list[int], block_size: int
     ) -> tuple[list[ExternalBlockHash], int]:
         if not token_ids:
             raise _BadRequest(400, "token_ids is empty")
@@ -356,7 +406,7 @@ class ScoreApi:
         return hashes, len(token_ids)
 
     def _lookahead_hashes(
-        self, request: ScoreRequest, token_ids: list[int], block_size: int, lookahead: int
+        self, request: Prompt, token_ids: list[int], block_size: int, lookahead: int
     ) -> list[ExternalBlockHash]:
         """The prompt's hashes as a worker with that lookahead hashing makes them.
 
@@ -378,7 +428,7 @@ class ScoreApi:
 
     @staticmethod
     def _extra_keys(
-        request: ScoreRequest, num_tokens: int, block_size: int
+        request: Prompt, num_tokens: int, block_size: int
     ) -> list[tuple[object, ...] | None] | None:
         if request.extra_keys is not None:
             if request.lora_name is not None or request.cache_salt is not None:
@@ -398,7 +448,7 @@ class ScoreApi:
         )
 
     def _given_hashes(
-        self, request: ScoreRequest, given: list[int | str], block_size: int
+        self, request: Prompt, given: list[int | str], block_size: int
     ) -> tuple[list[ExternalBlockHash], int]:
         if not given:
             raise _BadRequest(400, "block_hashes is empty")
@@ -512,13 +562,14 @@ def _worker_view(
         applied_age_s=record_age(follower.applied_ts(info.name), now),
         stale_groups=sorted(follower.stale_groups(info.name)),
         hash_lookahead=info.hash_lookahead,
+        speculative_blocks=info.speculative_blocks,
     )
 
 
 # ----------------------------------------------------------------------------- the app
 
 
-_PROTECTED = frozenset({"/v1/score", "/v1/workers"})
+_PROTECTED = frozenset({"/v1/score", "/v1/routed", "/v1/workers"})
 
 
 def _token_check(token: str) -> Any:
@@ -572,6 +623,7 @@ def build_app(api: ScoreApi, *, token: str | None = None) -> web.Application:
 _STATUS_TEXT = {
     400: "Invalid request",
     401: "A bearer token is required (when the index has one)",
+    404: "No such worker",
     408: "The body did not arrive in time",
     413: "Request or prompt too large",
     429: "Too many requests in progress",
@@ -635,7 +687,14 @@ def _operation(route: Route, schema_of: dict[Any, Any]) -> dict[str, Any]:
 def _document_limits(components: dict[str, Any], limits: ApiLimits) -> None:
     """The configured limits as maxItems, the one-prompt rule and the hash functions, so the
     document states what the server enforces."""
-    request = components["ScoreRequest"]
+    for name in ("ScoreRequest", "RoutedRequest"):
+        _document_prompt(components[name], limits)
+    for option in components["ScoreRequest"]["properties"]["workers"]["anyOf"]:
+        if option.get("type") == "array":
+            option["maxItems"] = limits.max_worker_filter
+
+
+def _document_prompt(request: dict[str, Any], limits: ApiLimits) -> None:
     # Exactly one of the two is given: null is as absent (the server reads both as None), so
     # "given" is present and not null; ``required`` alone made {"token_ids": [..],
     # "block_hashes": null} invalid by the document, which the server answers (schemathesis).
@@ -650,7 +709,6 @@ def _document_limits(components: dict[str, Any], limits: ApiLimits) -> None:
     for name, most in (
         ("token_ids", limits.max_prompt_tokens),
         ("block_hashes", limits.max_prompt_blocks),
-        ("workers", limits.max_worker_filter),
     ):
         for option in properties[name]["anyOf"]:
             if option.get("type") == "array":

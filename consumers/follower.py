@@ -43,7 +43,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -85,6 +85,7 @@ from hmakv.consumers.snapshots import (
     pack,
     unpack,
 )
+from hmakv.consumers.speculation import SpeculationTtl
 from hmakv.consumers.stats import EVENT_AGE_BUCKETS, Buckets
 from hmakv.kvlog.kafka_client import (
     KafkaSecurity,
@@ -95,6 +96,7 @@ from hmakv.kvlog.kafka_client import (
 )
 from hmakv.kvlog.logs import RateLimitedLog
 from hmakv.kvlog.records import Topics, WorkerState
+from hmakv.producer.events import ExternalBlockHash
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ _BAD_RECORD_LOG_INTERVAL_S = 60.0
 _COMMIT_FAILURE_LOG_INTERVAL_S = 60.0
 _IGNORED_STATE_LOG_INTERVAL_S = 60.0
 _BROKER_CHECK_INTERVAL_S = 1.0
+_SPECULATION_EXPIRY_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,8 @@ class FollowerConfig:
     ``partition_check_interval_s``: how often the clients refresh the topics' metadata, and so
     how soon partitions added to a topic are read.
     ``freshness``: how long Kafka may be silent, and a worker behind, before the index says so.
+    ``speculative_ttl_s``: how long a routed prompt's blocks stay speculatively held; None
+    follows the measured event lag (``speculation.SpeculationTtl``).
     """
 
     bootstrap: str
@@ -135,6 +140,7 @@ class FollowerConfig:
     max_records_per_fetch: int = 5000
     partition_check_interval_s: float = 5.0
     freshness: FreshnessLimits = field(default_factory=FreshnessLimits)
+    speculative_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -192,6 +198,8 @@ class Follower:
         self.store = store
         self._applier = Applier(config.new_index())
         self._contact = BrokerContact(clock)
+        self._clock = clock
+        self.speculation_ttl = SpeculationTtl(config.speculative_ttl_s)
         self._silence_reported = False
         self.stats = FollowerStats()
         self._positions: dict[TopicPartition, int] = {}
@@ -251,6 +259,7 @@ class Follower:
                 name=f"consume {topics.events}",
             ),
             asyncio.create_task(self._watch_broker(), name="broker contact"),
+            asyncio.create_task(self._expire_periodically(), name="speculation expiry"),
         ]
         if self.store is not None and self.config.snapshot_interval_s > 0:
             self._tasks.append(
@@ -503,7 +512,9 @@ class Follower:
             self._count_bad(taken, tp, message)
         elif taken.outcome is ApplyOutcome.APPLIED:
             self.stats.events_applied += 1
-            self.stats.event_age.observe(max(0.0, time.time() - taken.record.ts))
+            age = time.time() - taken.record.ts
+            self.stats.event_age.observe(max(0.0, age))
+            self.speculation_ttl.observe(age)
 
     def _apply_worker_state(self, tp: TopicPartition, message: Any) -> None:
         replayed = message.offset < self._ready_targets.get(tp, 0)
@@ -630,6 +641,35 @@ class Follower:
     def applied_ts(self, worker: str) -> float | None:
         """The engine's timestamp of the newest record applied for the worker by this process."""
         return self._applier.applied_ts(worker)
+
+    # ------------------------------------------------------------------------------ speculation
+
+    def speculate(
+        self,
+        worker: str,
+        block_hashes: Sequence[ExternalBlockHash],
+        num_tokens: int,
+        ttl_s: float | None = None,
+    ) -> tuple[int, float]:
+        """A prompt routed to ``worker``: its blocks held speculatively for the TTL (``ttl_s``
+        capped, or the measured one); the blocks newly held and the TTL. Raises
+        ``UnknownWorker``."""
+        ttl = self.speculation_ttl.for_request(ttl_s)
+        now = self.expire_speculation()
+        blocks = self.index.speculate(worker, block_hashes, num_tokens, expires_at=now + ttl)
+        return blocks, ttl
+
+    def expire_speculation(self) -> float:
+        """Drop what expired by now, on the follower's clock; the time it read."""
+        now = self._clock()
+        self.index.expire_speculation(now)
+        return now
+
+    async def _expire_periodically(self) -> None:
+        """Expired entries go within a second even when nothing is scored or routed."""
+        while True:
+            self.expire_speculation()
+            await asyncio.sleep(_SPECULATION_EXPIRY_INTERVAL_S)
 
     # ------------------------------------------------------------------------------ freshness
 

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from hmakv.consumers.applier import IgnoredState
 from hmakv.consumers.follower import Follower
 from hmakv.consumers.freshness import not_ready
+from hmakv.consumers.index import IndexCounters
 from hmakv.consumers.stats import Buckets, ScoreStats
 from hmakv.kvlog.records import HEALTH_STATES
 
@@ -71,10 +72,18 @@ class IndexCollector(Collector):
             "Distinct block hashes a worker holds, per cache group and medium",
             labels=["worker", "group", "kind", "medium"],
         )
+        speculative = GaugeMetricFamily(
+            f"{PREFIX}_speculative_blocks",
+            "Blocks of prompts routed to a worker held speculatively, its events not applied yet "
+            "(all groups); never in resident_blocks",
+            labels=["worker"],
+        )
         by_health = dict.fromkeys(HEALTH_STATES, 0)
         stale_groups = follower.stale_groups_by_worker()
         for info in follower.index.workers():
             by_health[info.health] += 1
+            if info.speculative_blocks:
+                speculative.add_metric([info.name], info.speculative_blocks)
             stale = stale_groups.get(info.name, ())
             for group, media in info.resident.items():
                 if group in stale:
@@ -84,6 +93,7 @@ class IndexCollector(Collector):
                 for medium, blocks in media.items():
                     resident.add_metric([info.name, str(group), kind, medium], blocks)
         yield resident
+        yield speculative
         workers = GaugeMetricFamily(
             f"{PREFIX}_workers", "Workers the index knows, by health", labels=["health"]
         )
@@ -134,17 +144,45 @@ class IndexCollector(Collector):
         ignored.add_metric(["stale_epoch"], counters.stale_epoch_ignored)
         ignored.add_metric(["retired"], counters.retired_ignored)
         yield ignored
+        yield from self._speculation_families(counters)
+
+    def _speculation_families(self, counters: IndexCounters) -> Iterator[Metric]:
+        outcomes = CounterMetricFamily(
+            f"{PREFIX}_speculative_blocks_outcomes",
+            "Speculative blocks by what became of them: speculated (added), confirmed (a real "
+            "store), removed (a real removal, clear, restart or departure), expired (the TTL), "
+            "refused (past --max-blocks-per-worker)",
+            labels=["outcome"],
+        )
+        for outcome, count in (
+            ("speculated", counters.speculated),
+            ("confirmed", counters.speculation_confirmed),
+            ("removed", counters.speculation_removed),
+            ("expired", counters.speculation_expired),
+            ("refused", counters.speculation_refused),
+        ):
+            outcomes.add_metric([outcome], count)
+        yield outcomes
+        yield CounterMetricFamily(
+            f"{PREFIX}_reserved_medium_blocks",
+            "Blocks of stores and removals an engine sent on the index's speculative medium's "
+            "name: refused",
+            value=counters.reserved_medium_blocks,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_speculative_ttl_seconds",
+            "How long a routed prompt's blocks are held speculatively now (--speculative-ttl, "
+            "or following the measured event lag)",
+            value=self._follower.speculation_ttl.ttl_s(),
+        )
 
     def _follower_families(self) -> Iterator[Metric]:
         stats = self._follower.stats
-        consumed = CounterMetricFamily(
-            f"{PREFIX}_records_consumed",
+        yield _per_label(
+            "records_consumed",
             "Kafka records read by this process, bad ones included",
-            labels=["topic"],
+            stats.consumed,
         )
-        for topic, count in sorted(stats.consumed.items()):
-            consumed.add_metric([topic], count)
-        yield consumed
         yield CounterMetricFamily(
             f"{PREFIX}_records_applied",
             "Event records applied to the index by this process",
@@ -237,14 +275,14 @@ class IndexCollector(Collector):
 
     def _partition_families(self) -> Iterator[Metric]:
         stats = self._follower.stats
-        yield _per_topic(
+        yield _per_label(
             "log_restarts",
             "Partitions whose log was found below this follower's position (the topic recreated, "
             "or truncated by an unclean leader election): read again from their beginning, the "
             "workers with keys there forgotten",
             stats.log_restarts,
         )
-        yield _per_topic(
+        yield _per_label(
             "partitions_added",
             "Partitions added to a topic this follower reads by assignment, read since from their "
             "beginning",
@@ -304,6 +342,12 @@ class IndexCollector(Collector):
             "Answered score requests whose group-blind best worker is not the HMA-aware one",
             value=stats.best_differs,
         )
+        yield _per_label(
+            "routed_requests",
+            "POST /v1/routed requests: ok, rejected (bad request) or unknown_worker",
+            stats.routed,
+            label="outcome",
+        )
 
 
 def index_registry(follower: Follower, score_stats: ScoreStats) -> CollectorRegistry:
@@ -313,8 +357,10 @@ def index_registry(follower: Follower, score_stats: ScoreStats) -> CollectorRegi
     return registry
 
 
-def _per_topic(name: str, documentation: str, counts: Mapping[str, int]) -> CounterMetricFamily:
-    family = CounterMetricFamily(f"{PREFIX}_{name}", documentation, labels=["topic"])
-    for topic, count in sorted(counts.items()):
-        family.add_metric([topic], count)
+def _per_label(
+    name: str, documentation: str, counts: Mapping[str, int], *, label: str = "topic"
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(f"{PREFIX}_{name}", documentation, labels=[label])
+    for value, count in sorted(counts.items()):
+        family.add_metric([value], count)
     return family

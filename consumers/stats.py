@@ -59,7 +59,7 @@ class ScoreStats:
 
     The HMA-aware and the group-blind answers' predicted hit tokens (each answer's best worker,
     0 without one), summed over answered requests, and how many requests the two answers named
-    different best workers.
+    different best workers; and routed-prompt notices by outcome.
     """
 
     requests: dict[str, int] = field(default_factory=lambda: {"ok": 0, "rejected": 0})
@@ -67,6 +67,9 @@ class ScoreStats:
     hma_hit_tokens: int = 0
     group_blind_hit_tokens: int = 0
     best_differs: int = 0
+    routed: dict[str, int] = field(
+        default_factory=lambda: {"ok": 0, "rejected": 0, "unknown_worker": 0}
+    )
 
     def record(self, outcome: str, seconds: float) -> None:
         self.requests[outcome] = self.requests.get(outcome, 0) + 1
@@ -77,3 +80,7 @@ class ScoreStats:
         self.group_blind_hit_tokens += blind.hit_tokens
         if blind.best != best:
             self.best_differs += 1
+
+    def record_routed(self, outcome: str) -> None:
+        """A ``POST /v1/routed``: ok, rejected (a bad request) or unknown_worker (404)."""
+        self.routed[outcome] = self.routed.get(outcome, 0) + 1

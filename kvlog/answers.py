@@ -143,6 +143,10 @@ class WorkerView(msgspec.Struct, kw_only=True):
     hash_lookahead: Annotated[
         int, Doc(description="tokens past each block its hashes cover (0: classic hashes)")
     ] = 0
+    speculative_blocks: Annotated[
+        int,
+        Doc(description="blocks held speculatively (routed prompts not confirmed yet), all groups"),
+    ] = 0
 
 
 class WorkersResponse(msgspec.Struct, kw_only=True):

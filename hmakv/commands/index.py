@@ -24,6 +24,7 @@ from hmakv.argtypes import (
     add_seconds,
     kafka_security,
     non_negative_int,
+    positive_float,
     positive_int,
 )
 from hmakv.consumers.api import ApiLimits, HashingDefaults
@@ -39,6 +40,12 @@ from hmakv.consumers.index import (
     DEFAULT_TIER_WEIGHTS,
 )
 from hmakv.consumers.service import DEFAULT_HOST, DEFAULT_PORT, IndexService, ServiceConfig
+from hmakv.consumers.speculation import (
+    DEFAULT_CEILING_S,
+    DEFAULT_FLOOR_S,
+    DEFAULT_MULTIPLIER,
+    DEFAULT_TTL_S,
+)
 from hmakv.kvlog.kafka_client import KafkaRefusedError
 from hmakv.kvlog.records import Topics
 from hmakv.producer.hashing import HASH_FUNCTIONS
@@ -87,8 +94,14 @@ def _snapshot_target(text: str) -> str:
     raise ValueError(text)
 
 
+def _speculative_ttl(text: str) -> float | None:
+    """``auto`` (None: follow the measured event lag) or a positive number of seconds."""
+    return None if text == "auto" else positive_float(text)
+
+
 _tier_weights.__name__ = "MEDIUM=WEIGHT[,...]"
 _snapshot_target.__name__ = "kafka, file:PATH or none"
+_speculative_ttl.__name__ = "auto or SECONDS"
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +152,16 @@ def _add_freshness_options(parser: argparse.ArgumentParser) -> None:
         metavar="SEQS",
         help="a worker more than this many seqs behind what the bridge forwarded is stale: "
         "marked so in /v1/score and /v1/workers, and never best",
+    )
+    parser.add_argument(
+        "--speculative-ttl",
+        type=_speculative_ttl,
+        default="auto",
+        metavar="auto|SECONDS",
+        help=f"how long a prompt's blocks count as held by the worker POST /v1/routed names, "
+        f"unless its events settle them first; auto: {DEFAULT_MULTIPLIER:g} x the recent p99 "
+        f"event lag within {DEFAULT_FLOOR_S:g}-{DEFAULT_CEILING_S:g} s ({DEFAULT_TTL_S:g} s "
+        f"until a lag is measured)",
     )
 
 
@@ -249,6 +272,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         freshness=FreshnessLimits(
             max_broker_silence_s=args.max_broker_silence, max_worker_lag=args.max_worker_lag
         ),
+        speculative_ttl_s=args.speculative_ttl,
     )
     return ServiceConfig(
         follower=follower,

@@ -80,6 +80,7 @@ SAMPLES = {
     "_engine_flags": "a=tcp://h:1,replay=tcp://h:2;b=tcp://g:1",
     "MEDIUM=WEIGHT[,...]": "GPU=1,CPU=0.5",
     "kafka, file:PATH or none": "none",
+    "auto or SECONDS": "2.5",
     "tansu, apache or HOST:PORT": "apache",
     "engine count (2 to 6)": "3",
     "_engine_choices": "gpt-oss-like:chat,gemma3-like:documents",
