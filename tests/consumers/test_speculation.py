@@ -9,6 +9,7 @@ from test_index import FULL, PROMPT, SWA_128, B, only, record, removed, stored
 
 from hmakv.consumers.index import KVIndex, UnknownWorker
 from hmakv.consumers.scoring import SPECULATIVE_MEDIUM
+from hmakv.consumers.speculation import DEFAULT_TTL_S, LAG_SAMPLES, SpeculationTtl, TtlLimits
 from hmakv.kvlog.answers import WorkerHit, hma_best
 from hmakv.producer.events import AllBlocksCleared, GroupSpec
 
@@ -177,3 +178,34 @@ def test_an_older_index_answer_still_decodes_and_ranks() -> None:
     old += b'"stale_groups":[]}'
     hit = msgspec.json.decode(old, type=WorkerHit)
     assert hit.speculative_hit_tokens is None and hma_best([hit]) == hit
+
+
+def test_the_ttl_follows_the_recent_p99_lag_within_its_bounds() -> None:
+    ttl = SpeculationTtl()
+    assert ttl.ttl_s() == DEFAULT_TTL_S  # nothing measured yet: llm-d's default
+    for _ in range(98):
+        ttl.observe(0.2)
+    ttl.observe(5.0)
+    ttl.observe(5.0)  # two slow records in a hundred: the p99 (nearest rank)
+    assert ttl.ttl_s() == 2 * 5.0
+    for _ in range(LAG_SAMPLES):
+        ttl.observe(0.01)  # the slow one has left the window; the floor holds
+    assert ttl.ttl_s() == TtlLimits().floor_s
+    ttl.observe(1e6)
+    ttl.observe(1e6)
+    assert ttl.ttl_s() == TtlLimits().floor_s  # two in 1024: below the p99
+    for _ in range(20):
+        ttl.observe(1e6)
+    assert ttl.ttl_s() == TtlLimits().ceiling_s
+    assert ttl.for_request(0.5) == 0.5 and ttl.for_request(1e9) == TtlLimits().ceiling_s
+
+
+def test_a_fixed_ttl_ignores_the_lag_and_caps_requests_at_the_longer_bound() -> None:
+    ttl = SpeculationTtl(60.0)
+    ttl.observe(0.1)
+    assert ttl.ttl_s() == 60.0 and ttl.for_request(None) == 60.0
+    assert ttl.for_request(1e9) == 60.0
+    with pytest.raises(ValueError):
+        SpeculationTtl(0.0)
+    with pytest.raises(ValueError):
+        TtlLimits(floor_s=5.0, ceiling_s=1.0)
