@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_index import FULL, PROMPT, SWA_128, B, only, record, removed, stored
 
 from hmakv.consumers.index import KVIndex, UnknownWorker
@@ -209,3 +211,55 @@ def test_a_fixed_ttl_ignores_the_lag_and_caps_requests_at_the_longer_bound() -> 
         SpeculationTtl(0.0)
     with pytest.raises(ValueError):
         TtlLimits(floor_s=5.0, ceiling_s=1.0)
+
+
+Step = tuple[str, int, int]  # (operation, first block, blocks), a time step apart
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["speculate", "store", "remove", "clear", "wait"]),
+            st.integers(0, 7),
+            st.integers(1, 8),
+        ),
+        max_size=30,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_speculation_against_a_model_of_sets(steps: list[Step]) -> None:
+    """Full attention alone: the speculative hit is the prefix of blocks really held or
+    speculated and not yet expired, settled or cleared; the confirmed hit ignores speculation."""
+    index = fleet(FULL, workers=("w0",))
+    prompt = PROMPT[:16]
+    real: set[int] = set()
+    speculative: dict[int, float] = {}  # hash -> expiry
+    for now, (operation, first, count) in enumerate(steps):
+        blocks = prompt[first : first + count]
+        index.expire_speculation(now)
+        speculative = {h: at for h, at in speculative.items() if at > now}
+        if operation == "speculate":
+            index.speculate("w0", prompt[: first + count], (first + count) * B, expires_at=now + 3)
+            for h in prompt[: first + count]:
+                if h not in real:
+                    speculative[h] = now + 3
+        elif operation == "store":
+            index.apply(record(now, 0, stored([h for h in blocks if h not in real], 0)))
+            real |= set(blocks)
+            speculative = {h: at for h, at in speculative.items() if h not in blocks}
+        elif operation == "remove":
+            index.apply(record(now, 0, removed(blocks, 0)))  # some held, some not
+            real -= set(blocks)
+            speculative = {h: at for h, at in speculative.items() if h not in blocks}
+        elif operation == "clear":
+            index.apply(record(now, 0, AllBlocksCleared()))
+            real, speculative = set(), {}
+        hit = only(index.score(prompt, len(prompt) * B))
+        assert hit.hit_tokens == _prefix(prompt, real) * B
+        assert hit.speculative_hit_tokens == _prefix(prompt, real | set(speculative)) * B
+        assert index.workers()[0].speculative_blocks == len(speculative)
+
+
+def _prefix(prompt: list[int], held: set[int]) -> int:
+    """Blocks of the longest held prefix, at most all but the last (its token is computed)."""
+    return next((i for i, h in enumerate(prompt[:-1]) if h not in held), len(prompt) - 1)
