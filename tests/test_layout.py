@@ -34,6 +34,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "hmakv.kafka": frozenset(),
     "hmakv.vllm": frozenset({"hmakv.producer", "hmakv.kafka"}),
     "hmakv.demo": frozenset({"hmakv.producer", "hmakv.kvlog", "hmakv.kafka", "hmakv.vllm"}),
+    # The routing study runs the engine, the bridge's fan-out and the index in one process.
+    "hmakv.routing": frozenset(
+        {"hmakv.producer", "hmakv.kvlog", "hmakv.bridge", "hmakv.consumers"}
+    ),
 }
 
 

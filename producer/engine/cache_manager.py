@@ -74,6 +74,7 @@ class HybridCacheManager:
             for index, spec in enumerate(profile.groups)
         ]
         self._requests: dict[str, EngineRequest] = {}
+        self._refused: EngineRequest | None = None  # the last request refused admission
         # vLLM's "align" mode schedules prefill in whole state blocks so the states get cached.
         has_mamba = any(spec.kind == MAMBA_KIND for spec in profile.groups)
         self._state_block_size = self.alignment if has_mamba else None
@@ -113,11 +114,12 @@ class HybridCacheManager:
         hit = self._longest_hit(request)
         request.num_computed_tokens = hit
         chunk = self._chunk_size(request, token_budget)
-        if chunk <= 0:
+        if chunk <= 0 or not self._allocate_slots(
+            request, chunk, self._hit_blocks(request, hit) if hit else None
+        ):
+            self._refused = request
             return None
-        hit_blocks = self._hit_blocks(request, hit) if hit else None
-        if not self._allocate_slots(request, chunk, hit_blocks):
-            return None
+        self._refused = None
         request.num_computed_tokens += chunk
         self._requests[request_id] = request
         return Admission(num_cached_tokens=hit, num_scheduled_tokens=chunk)
@@ -189,6 +191,19 @@ class HybridCacheManager:
         lora_name: str | None,
         cache_salt: str | None,
     ) -> EngineRequest:
+        """A new request, or the one last refused admission if this is it again: a scheduler
+        retries the head of its queue every step, and its block hashes, like vLLM's, are
+        computed once."""
+        refused = self._refused
+        if (
+            refused is not None
+            and refused.request_id == request_id
+            and refused.lora_name == lora_name
+            and refused.cache_salt == cache_salt
+            and refused.token_ids == list(token_ids)
+        ):
+            refused.num_computed_tokens = 0
+            return refused
         return EngineRequest(
             request_id,
             token_ids,

@@ -6,10 +6,14 @@ decides what the cache keeps and evicts. So each workload reproduces one sharing
 - ``chat``: conversations that open with one of a few shared system prompts; every later turn's
   prompt is the previous prompt plus the model's answer plus new user text, so a turn hits the
   whole previous turn if it is still cached;
+- ``agentic``: the same shape with a long shared prompt of tool definitions and long tool
+  outputs appended step after step;
 - ``documents``: many users asking questions about the same few long documents;
 - ``random-prefix``: stress: prompts cut from many random prefixes at unaligned lengths plus a
   random tail, so blocks are shared partly, duplicated by concurrent requests, and evicted all the
   time;
+- ``burst``: bursts of requests sharing a new long prefix, which only routing that knows where
+  the burst's first request went can keep together;
 - ``none``: no traffic of its own (requests come only from the engine's HTTP API).
 
 A workload decides what is asked, an ``ArrivalSchedule`` decides when. Both draw from their own
@@ -98,35 +102,39 @@ class _Conversation:
     turns_wanted: int
 
 
-class ChatWorkload:
-    """Multi-turn chat: shared system prompts, then histories that grow turn by turn.
+class ConversationWorkload:
+    """Conversations that open with one of a few shared prompts and grow turn by turn.
 
-    A conversation waiting for its next turn is served before a new one starts, as returning users
-    keep a chat service's traffic mostly follow-ups. A conversation ends after its drawn number of
-    turns, when the next turn would exceed ``context_tokens``, or when a turn was aborted.
+    Every later turn's prompt is the previous prompt plus the model's answer plus new text, so a
+    turn hits the whole previous turn if it is still cached. A conversation waiting for its next
+    turn is served before a new one starts, as returning users (or an agent's next step) keep
+    such traffic mostly follow-ups. A conversation ends after its drawn number of turns, when the
+    next turn would exceed ``context_tokens``, or when a turn was aborted. Subclasses set the
+    shape: how long the shared openers, the appended text and the answers are, as fractions of
+    ``context_tokens``.
     """
 
-    name = "chat"
+    name = "conversation"
+    opener_fraction = (8, 4)
+    """An opener is ``context_tokens // a`` to ``context_tokens // b`` tokens long."""
+    appended_fraction = 16
+    """New text per turn: 4 to ``context_tokens // appended_fraction`` tokens (at least 8)."""
+    answer_fraction = 32
+    """An answer: 4 to ``context_tokens // answer_fraction`` tokens (at least 8)."""
+    num_openers = 4
+    max_turns = 6
 
-    def __init__(
-        self,
-        *,
-        seed: int,
-        vocab_size: int,
-        context_tokens: int,
-        num_system_prompts: int = 4,
-        max_turns: int = 6,
-    ) -> None:
+    def __init__(self, *, seed: int, vocab_size: int, context_tokens: int) -> None:
         self._source = _workload_source(seed, vocab_size, context_tokens)
         self._context_tokens = context_tokens
-        self._max_turns = max_turns
-        system_bounds = (context_tokens // 8, context_tokens // 4)
+        longest, shortest = self.opener_fraction
+        opener_bounds = (context_tokens // longest, context_tokens // shortest)
         self.system_prompts = tuple(
-            self._source.tokens(self._source.between(system_bounds))
-            for _ in range(num_system_prompts)
+            self._source.tokens(self._source.between(opener_bounds))
+            for _ in range(self.num_openers)
         )
-        self._user_bounds = (4, max(8, context_tokens // 16))
-        self._output_bounds = (4, max(8, context_tokens // 32))
+        self._user_bounds = (4, max(8, context_tokens // self.appended_fraction))
+        self._output_bounds = (4, max(8, context_tokens // self.answer_fraction))
         self._ready: deque[_Conversation] = deque()
         self._in_flight: dict[str, tuple[_Conversation, tuple[int, ...]]] = {}
         self._conversations = 0
@@ -134,7 +142,7 @@ class ChatWorkload:
     def next_request(self) -> RequestSpec:
         conversation = self._ready.popleft() if self._ready else self._new_conversation()
         prompt = conversation.history + self._source.tokens(self._source.between(self._user_bounds))
-        request_id = f"chat-{conversation.conversation_id}-{conversation.turns}"
+        request_id = f"{self.name}-{conversation.conversation_id}-{conversation.turns}"
         conversation.turns += 1
         self._in_flight[request_id] = (conversation, prompt)
         return RequestSpec(request_id, prompt, self._source.between(self._output_bounds))
@@ -159,8 +167,30 @@ class ChatWorkload:
             conversation_id=self._conversations,
             history=rng.choice(self.system_prompts),
             turns=0,
-            turns_wanted=rng.randint(1, self._max_turns),
+            turns_wanted=rng.randint(1, self.max_turns),
         )
+
+
+class ChatWorkload(ConversationWorkload):
+    """Multi-turn chat: a few shared system prompts, short user turns and answers."""
+
+    name = "chat"
+
+
+class AgenticWorkload(ConversationWorkload):
+    """Agentic loops: a long shared prompt of tool definitions, then step after step appending
+    the model's tool call and the tool's (long) output, up to ten steps.
+
+    Each step's prompt is much longer than what it adds, so nearly all of it is a cache hit on
+    the engine that served the previous step, and a miss anywhere else.
+    """
+
+    name = "agentic"
+    opener_fraction = (4, 3)
+    appended_fraction = 8
+    answer_fraction = 32
+    num_openers = 2
+    max_turns = 10
 
 
 class DocumentsWorkload:
@@ -237,6 +267,48 @@ class RandomPrefixWorkload:
         """Answers do not feed later prompts."""
 
 
+class BurstWorkload:
+    """Bursts of requests sharing a new long prefix: ``burst_size`` questions about a document
+    no engine has seen, then the next document.
+
+    The first request of a burst can hit nothing; the others hit the whole prefix only if they go
+    where the first went, which a router learns from events that may not have arrived yet when
+    the burst's requests arrive close together (``ArrivalSchedule(burst_size=...)``).
+    """
+
+    name = "burst"
+
+    def __init__(
+        self, *, seed: int, vocab_size: int, context_tokens: int, burst_size: int = 8
+    ) -> None:
+        if burst_size < 1:
+            raise ValueError(f"burst_size must be at least 1, got {burst_size}")
+        self._source = _workload_source(seed, vocab_size, context_tokens)
+        self.burst_size = burst_size
+        self._prefix_bounds = (context_tokens // 2, context_tokens * 3 // 4)
+        self._question_bounds = (8, max(16, context_tokens // 32))
+        self._output_bounds = (4, max(8, context_tokens // 64))
+        self._prefix: tuple[int, ...] = ()
+        self._requests = 0
+
+    def next_request(self) -> RequestSpec:
+        if self._requests % self.burst_size == 0:
+            self._prefix = self._source.tokens(self._source.between(self._prefix_bounds))
+        question = self._source.tokens(self._source.between(self._question_bounds))
+        burst, member = divmod(self._requests, self.burst_size)
+        self._requests += 1
+        return RequestSpec(
+            f"burst-{burst}-{member}",
+            self._prefix + question,
+            self._source.between(self._output_bounds),
+        )
+
+    def finished(
+        self, request_id: str, output_token_ids: Sequence[int], *, completed: bool = True
+    ) -> None:
+        """Answers do not feed later prompts."""
+
+
 class NoWorkload:
     """No traffic: an engine that serves only what its HTTP API is sent."""
 
@@ -251,17 +323,21 @@ class NoWorkload:
         """Nothing to follow up."""
 
 
-WORKLOADS = ("chat", "documents", "random-prefix", "none")
+WORKLOADS = ("chat", "agentic", "documents", "random-prefix", "burst", "none")
 
 
 def make_workload(name: str, *, seed: int, vocab_size: int, context_tokens: int) -> Workload:
     """The workload called ``name``; the error lists the names there are."""
     if name == "chat":
         return ChatWorkload(seed=seed, vocab_size=vocab_size, context_tokens=context_tokens)
+    if name == "agentic":
+        return AgenticWorkload(seed=seed, vocab_size=vocab_size, context_tokens=context_tokens)
     if name == "documents":
         return DocumentsWorkload(seed=seed, vocab_size=vocab_size, context_tokens=context_tokens)
     if name == "random-prefix":
         return RandomPrefixWorkload(seed=seed, vocab_size=vocab_size, context_tokens=context_tokens)
+    if name == "burst":
+        return BurstWorkload(seed=seed, vocab_size=vocab_size, context_tokens=context_tokens)
     if name == "none":
         return NoWorkload()
     raise UnknownWorkload(f"unknown workload {name!r}; known workloads: {', '.join(WORKLOADS)}")
@@ -270,17 +346,37 @@ def make_workload(name: str, *, seed: int, vocab_size: int, context_tokens: int)
 class ArrivalSchedule:
     """Poisson arrivals at ``rate`` requests per second, for ``duration`` seconds if given.
 
+    With ``burst_size`` above 1, requests come in bursts of that many: bursts start as a Poisson
+    process at ``rate / burst_size``, and a burst's requests follow one another at exponential
+    gaps of mean ``burst_spacing`` seconds (the shape ``BurstWorkload`` is for).
+
     Arrival times are drawn ahead from a seeded generator and compared with the caller's clock,
     so the sequence of times is reproducible while the wall clock decides only how many are due.
     """
 
-    def __init__(self, rate: float, *, seed: int, duration: float | None = None) -> None:
+    def __init__(
+        self,
+        rate: float,
+        *,
+        seed: int,
+        duration: float | None = None,
+        burst_size: int = 1,
+        burst_spacing: float = 0.005,
+    ) -> None:
         if not rate > 0:
             raise ValueError(f"rate must be positive, got {rate}")
-        self._rate = rate
+        if burst_size < 1:
+            raise ValueError(f"burst_size must be at least 1, got {burst_size}")
+        if not burst_spacing > 0:
+            raise ValueError(f"burst_spacing must be positive, got {burst_spacing}")
+        self._burst_rate = rate / burst_size
+        self._burst_size = burst_size
+        self._spacing = burst_spacing
         self._rng = random.Random(seed)
         self._duration = duration
-        self._next = self._rng.expovariate(rate)
+        self._burst_start = self._rng.expovariate(self._burst_rate)
+        self._in_burst = 0
+        self._next = self._burst_start
 
     @property
     def next_arrival(self) -> float | None:
@@ -295,5 +391,14 @@ class ArrivalSchedule:
         limit = elapsed if self._duration is None else min(elapsed, self._duration)
         while self._next <= limit:
             count += 1
-            self._next += self._rng.expovariate(self._rate)
+            self._advance()
         return count
+
+    def _advance(self) -> None:
+        self._in_burst += 1
+        if self._in_burst < self._burst_size:
+            self._next += self._rng.expovariate(1 / self._spacing)
+            return
+        self._in_burst = 0
+        self._burst_start += self._rng.expovariate(self._burst_rate)
+        self._next = max(self._next, self._burst_start)

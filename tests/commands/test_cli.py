@@ -89,6 +89,9 @@ SAMPLES = {
     "curve_public_key": _PUBLIC_KEY,
     "curve_public_keys": _PUBLIC_KEY,
     "_key_name": "engine-a",
+    "PROFILE[,...]": "gpt-oss-like,gemma3-like",
+    "WORKLOAD[,...]": "chat,burst",
+    "ROUTER[,...]": "hmakv,round-robin",
 }
 
 

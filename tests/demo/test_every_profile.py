@@ -27,8 +27,8 @@ LINEUP = (
     ("gpt-oss-like", "chat", 512),
     ("gemma3-like", "documents", 512),
     ("mamba-hybrid-like", "random-prefix", 512),
-    ("swa-small", "chat", 250),
-    ("chunked-local-like", "random-prefix", 512),
+    ("swa-small", "agentic", 250),
+    ("chunked-local-like", "burst", 512),
     ("mixed-block-like", "random-prefix", 256),
 )
 

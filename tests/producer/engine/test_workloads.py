@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from hmakv.producer.engine.workloads import (
     WORKLOADS,
+    AgenticWorkload,
     ArrivalSchedule,
+    BurstWorkload,
     ChatWorkload,
     DocumentsWorkload,
     RandomPrefixWorkload,
@@ -132,7 +136,9 @@ def test_none_generates_nothing_and_unknown_names_are_listed() -> None:
         make_workload("none", seed=0, vocab_size=VOCAB, context_tokens=CONTEXT).next_request()
         is None
     )
-    with pytest.raises(UnknownWorkload, match="chat, documents, random-prefix, none"):
+    with pytest.raises(
+        UnknownWorkload, match="chat, agentic, documents, random-prefix, burst, none"
+    ):
         make_workload("poetry", seed=0, vocab_size=VOCAB, context_tokens=CONTEXT)
     with pytest.raises(ValueError, match="context_tokens"):
         make_workload("chat", seed=0, vocab_size=VOCAB, context_tokens=10)
@@ -160,3 +166,54 @@ def test_arrivals_without_duration_continue_and_a_rate_must_be_positive() -> Non
     assert next_arrival is not None and next_arrival > 1000.0
     with pytest.raises(ValueError, match="rate"):
         ArrivalSchedule(0.0, seed=1)
+
+
+def test_agentic_steps_append_long_tool_outputs_to_a_long_shared_prompt() -> None:
+    workload = AgenticWorkload(seed=6, vocab_size=VOCAB, context_tokens=CONTEXT)
+    specs = play(workload, 200)
+    by_id = {s.request_id: s for s in specs}
+    assert all(len(p) >= CONTEXT // 4 for p in workload.system_prompts)
+    appended = []
+    for spec in specs:
+        _, session, step = spec.request_id.split("-")
+        if step == "0":
+            continue
+        previous = by_id[f"agentic-{session}-{int(step) - 1}"]
+        history = previous.prompt_token_ids + answer(previous)
+        assert spec.prompt_token_ids[: len(history)] == history
+        appended.append(len(spec.prompt_token_ids) - len(history))
+    assert len(appended) > 50
+    assert max(appended) > CONTEXT // 16  # tool outputs longer than chat's user turns
+
+
+def test_a_burst_shares_one_new_prefix_and_the_next_burst_another() -> None:
+    workload = BurstWorkload(seed=7, vocab_size=VOCAB, context_tokens=CONTEXT, burst_size=4)
+    specs = play(workload, 12)
+    bursts = [specs[i : i + 4] for i in range(0, 12, 4)]
+    prefixes = []
+    for burst in bursts:
+        shared = min(
+            _common_prefix(burst[0].prompt_token_ids, s.prompt_token_ids) for s in burst[1:]
+        )
+        assert shared >= CONTEXT // 2
+        prefixes.append(burst[0].prompt_token_ids[:shared])
+    assert _common_prefix(prefixes[0], prefixes[1]) < 8  # a new document each burst
+    assert [s.request_id for s in bursts[1]] == [f"burst-1-{m}" for m in range(4)]
+
+
+def test_bursty_arrivals_come_in_groups_at_the_same_mean_rate() -> None:
+    schedule = ArrivalSchedule(20.0, seed=3, duration=400.0, burst_size=5, burst_spacing=0.002)
+    times = []
+    while (at := schedule.next_arrival) is not None:
+        times.extend([at] * schedule.due(at))
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    within = [gap for index, gap in enumerate(gaps) if (index + 1) % 5]
+    assert 7000 < len(times) < 9000  # 20/s for 400 s
+    assert sum(within) / len(within) < 0.004
+    assert times == sorted(times)
+
+
+def test_one_request_bursts_are_the_plain_poisson_schedule() -> None:
+    plain = ArrivalSchedule(5.0, seed=9, duration=50.0)
+    single = ArrivalSchedule(5.0, seed=9, duration=50.0, burst_size=1)
+    assert [plain.due(t / 10) for t in range(500)] == [single.due(t / 10) for t in range(500)]

@@ -1,0 +1,157 @@
+"""``hmakv bench``: studies that run the pipeline's parts against their peers' designs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hmakv.argtypes import add_command, non_negative_float, positive_float, positive_int
+from hmakv.producer.engine.profiles import PROFILES
+from hmakv.routing.policies import Weights
+from hmakv.routing.study import (
+    CONTROL_PROFILE,
+    ROUTERS,
+    STUDY_PROFILES,
+    STUDY_WORKLOADS,
+    RunReport,
+    StudyPlan,
+    report_table,
+    run_study,
+)
+
+EXIT_OK = 0
+
+HELP = "benchmarks: what HMA-aware routing buys a fleet (routing)"
+
+DESCRIPTION = """\
+Studies of the pipeline against the designs it is an alternative to, run in this process.
+"""
+
+EPILOG = """\
+example:
+  hmakv bench routing --smoke
+  hmakv bench routing --json benchmarks/results/routing.json
+"""
+
+ROUTING_DESCRIPTION = """\
+A fleet of reference engines (vLLM's scheduler and hybrid cache manager, no model; time from a
+stated step-cost model, see hmakv/routing/README.md) behind each router in turn, on the same
+seeded request stream, engines empty at the start of each run. Routers: hmakv (the HMA-aware
+index with llm-d's load scorers), removal-means-gone and full-attention-only (group-blind
+indexes fed the same events), approximate (the router's own history, no events), least-loaded,
+round-robin. Prints one row per (profile, workload, router) and writes the reports as JSON.
+"""
+
+
+def _names(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """A parser of comma-separated names, each one of ``known``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(name.strip() for name in text.split(",") if name.strip())
+        unknown = [name for name in names if name not in known]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(unknown) or 'empty list'}; from {', '.join(known)}"
+            )
+        return names
+
+    return parse
+
+
+_profiles = _names((*PROFILES, CONTROL_PROFILE))
+_profiles.__name__ = "PROFILE[,...]"
+_workloads = _names(STUDY_WORKLOADS)
+_workloads.__name__ = "WORKLOAD[,...]"
+_routers = _names(ROUTERS)
+_routers.__name__ = "ROUTER[,...]"
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    studies = parser.add_subparsers(dest="bench_study", metavar="STUDY", required=True)
+    routing = add_command(
+        studies,
+        "routing",
+        help="every router on the same request streams: cached tokens, prefill, TTFT",
+        description=ROUTING_DESCRIPTION,
+        parent="bench",
+    )
+    add = routing.add_argument
+    add("--profiles", type=_profiles, default=STUDY_PROFILES, help="cache layouts to study")
+    add("--workloads", type=_workloads, default=STUDY_WORKLOADS, help="request streams")
+    add("--routers", type=_routers, default=ROUTERS, help="routers to compare")
+    add("--engines", type=positive_int, default=8, help="engines in the fleet")
+    add("--duration", type=positive_float, default=30.0, help="seconds of arrivals per run")
+    add("--rate-scale", type=positive_float, default=1.0, help="multiplies every stream's rate")
+    add(
+        "--pool-fraction",
+        type=positive_float,
+        default=0.5,
+        help="each engine's block pool as a fraction of its profile's",
+    )
+    add("--prefix-weight", type=non_negative_float, default=3.0, help="llm-d's prefix scorer")
+    add("--queue-weight", type=non_negative_float, default=2.0, help="llm-d's queue scorer")
+    add("--kv-weight", type=non_negative_float, default=2.0, help="llm-d's KV-usage scorer")
+    add("--prefill-factor", type=positive_float, default=1.0, help="scales the prefill cost")
+    add(
+        "--event-lag",
+        type=non_negative_float,
+        default=0.02,
+        help="seconds from a step's end to its events reaching the routers",
+    )
+    add("--seed", type=int, default=0, help="seeds workloads, arrivals and tie breaks")
+    add(
+        "--smoke",
+        action="store_true",
+        help="a few seconds: gpt-oss-like and the control, agentic and burst",
+    )
+    add("--json", type=Path, help="write the reports here as JSON")
+    routing.set_defaults(func=run_routing)
+
+
+def plan_of(args: argparse.Namespace) -> StudyPlan:
+    plan = StudyPlan(
+        profiles=args.profiles,
+        workloads=args.workloads,
+        routers=args.routers,
+        engines=args.engines,
+        duration_s=args.duration,
+        rate_scale=args.rate_scale,
+        pool_fraction=args.pool_fraction,
+        weights=Weights(args.prefix_weight, args.queue_weight, args.kv_weight),
+        prefill_factor=args.prefill_factor,
+        event_lag=args.event_lag,
+        seed=args.seed,
+    )
+    if args.smoke:
+        plan = dataclasses.replace(
+            plan,
+            profiles=("gpt-oss-like", "full-attention-control"),
+            workloads=("agentic", "burst"),
+            duration_s=3.0,
+        )
+    return plan
+
+
+def run_routing(args: argparse.Namespace) -> int:
+    plan = plan_of(args)
+    reports: list[RunReport] = []
+    for report in run_study(plan):
+        reports.append(report)
+        print(f"{report.profile} {report.workload} {report.router}: done", file=sys.stderr)
+    print(report_table(reports))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(_as_json(plan, reports), indent=2) + "\n")
+    return EXIT_OK
+
+
+def _as_json(plan: StudyPlan, reports: list[RunReport]) -> dict[str, object]:
+    return {
+        "command": " ".join(["hmakv", *sys.argv[1:]]),
+        "plan": dataclasses.asdict(plan),
+        "runs": [dataclasses.asdict(report) for report in reports],
+    }
