@@ -103,10 +103,6 @@ class RunReport:
     predicted_under: int
     predicted_over: int
 
-    @property
-    def predicted_exact_share(self) -> float | None:
-        return self.predicted_exact / self.predicted if self.predicted else None
-
 
 def make_router(name: str, spec: FleetSpec, weights: Weights, seed: int) -> Router:
     groups = spec.profile.groups
@@ -262,20 +258,28 @@ def report_table(reports: Sequence[RunReport]) -> str:
     baseline = {(r.profile, r.workload): r for r in reports if r.router == "hmakv"}
     lines = [
         "profile                 workload   router               cached  prefill/hmakv  "
-        "load_cv  ttft_p50_ms  ttft_p99_ms  p99/hmakv  predicted_exact"
+        "load_cv  ttft_p50_ms  ttft_p99_ms  p99/hmakv  predicted exact/under/over"
     ]
     for report in reports:
         base = baseline.get((report.profile, report.workload))
         prefill = _ratio(report.prefill_tokens, base.prefill_tokens if base else None)
         p99 = _ratio(report.ttft_p99_s, base.ttft_p99_s if base else None)
-        exact = report.predicted_exact_share
+        predicted = _shares(report)
         lines.append(
             f"{report.profile:23s} {report.workload:10s} {report.router:20s} "
             f"{report.cached_share:6.1%}  {prefill:>13s}  {report.load_cv:7.3f}  "
             f"{_ms(report.ttft_p50_s):>11s}  {_ms(report.ttft_p99_s):>11s}  {p99:>9s}  "
-            f"{'n/a' if exact is None else f'{exact:.1%}':>15s}"
+            f"{predicted:>26s}"
         )
     return "\n".join(lines)
+
+
+def _shares(report: RunReport) -> str:
+    """Predicted hits equal to, below and above the engine's real ones, as shares."""
+    if not report.predicted:
+        return "n/a"
+    figures = (report.predicted_exact, report.predicted_under, report.predicted_over)
+    return "/".join(f"{count / report.predicted:.1%}" for count in figures)
 
 
 def _ms(seconds: float | None) -> str:
