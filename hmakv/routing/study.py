@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from hmakv.consumers.speculation import SpeculationTtl
@@ -33,6 +33,7 @@ from hmakv.routing.costs import StepCost
 from hmakv.routing.estimates import (
     HashSetEstimate,
     HmaIndexEstimate,
+    PrefixEstimate,
     RoutingHistory,
     every_group,
     full_attention,
@@ -104,23 +105,31 @@ class RunReport:
     predicted_over: int
 
 
-def make_router(name: str, spec: FleetSpec, weights: Weights, seed: int) -> Router:
-    groups = spec.profile.groups
-    size = hash_block_size(groups)
-    if name == "hmakv":
-        return ScoredRouter(name, HmaIndexEstimate(spec.engines, groups, size), weights, seed=seed)
-    if name == "hmakv-speculative":
-        speculative = HmaIndexEstimate(spec.engines, groups, size, speculation=SpeculationTtl())
-        return ScoredRouter(name, speculative, weights, seed=seed)
-    if name == "removal-means-gone":
-        estimate = HashSetEstimate(spec.engines, groups, size, keep=every_group)
-        return ScoredRouter(name, estimate, weights, seed=seed)
-    if name == "full-attention-only":
-        estimate = HashSetEstimate(spec.engines, groups, size, keep=full_attention)
-        return ScoredRouter(name, estimate, weights, seed=seed)
-    if name == "approximate":
-        estimate_ = RoutingHistory(spec.engines, size, ttl=APPROXIMATE_TTL_S)
-        return ScoredRouter(name, estimate_, weights, seed=seed)
+def make_router(
+    name: str,
+    engines: int,
+    groups: Sequence[GroupSpec],
+    hash_block_size: int,
+    weights: Weights = LLM_D_WEIGHTS,
+    *,
+    seed: int = 0,
+) -> Router:
+    """The router called ``name`` for ``engines`` engines of one cache layout."""
+    estimates: dict[str, Callable[[], PrefixEstimate]] = {
+        "hmakv": lambda: HmaIndexEstimate(engines, groups, hash_block_size),
+        "hmakv-speculative": lambda: HmaIndexEstimate(
+            engines, groups, hash_block_size, speculation=SpeculationTtl()
+        ),
+        "removal-means-gone": lambda: HashSetEstimate(
+            engines, groups, hash_block_size, keep=every_group
+        ),
+        "full-attention-only": lambda: HashSetEstimate(
+            engines, groups, hash_block_size, keep=full_attention
+        ),
+        "approximate": lambda: RoutingHistory(engines, hash_block_size, ttl=APPROXIMATE_TTL_S),
+    }
+    if name in estimates:
+        return ScoredRouter(name, estimates[name](), weights, seed=seed)
     if name == "least-loaded":
         return LeastLoaded(seed=seed)
     if name == "round-robin":
@@ -147,7 +156,10 @@ def run_one(
     schedule = ArrivalSchedule(
         stream.rate, seed=stream.seed, duration=stream.duration_s, burst_size=stream.burst_size
     )
-    router = make_router(router_name, spec, weights, stream.seed)
+    groups = profile.groups
+    router = make_router(
+        router_name, spec.engines, groups, hash_block_size(groups), weights, seed=stream.seed
+    )
     result = simulate(spec, router, workload, arrival_times(schedule), hasher=hasher)
     return summarize(profile.name, stream.workload, router_name, result)
 
