@@ -38,20 +38,15 @@ from hmakv.producer.events import GroupSpec, decode
 from hmakv.producer.hashing import BlockHasher, external
 from hmakv.routing.estimates import Prompt
 from hmakv.routing.policies import EngineLoad, Router
+from hmakv.routing.study import ROUTERS as STUDY_ROUTERS
 from hmakv.routing.study import make_router
 from hmakv.vllm.profiles import HASH_FN, HASH_SEED, PROFILES
 from hmakv.vllm.server import DEFAULT_TOPIC, SERVED_MODEL_NAME, ServerPorts
 from hmakv.vllm.witness import EventWitness
 from hmakv.vllm.workload import VllmPrompts
 
-ROUTERS = (
-    "hmakv",
-    "hmakv-speculative",
-    "removal-means-gone",
-    "full-attention-only",
-    "approximate",
-    "round-robin",
-)
+# One request at a time leaves no load to balance: least-loaded would be round robin's twin.
+ROUTERS = tuple(name for name in STUDY_ROUTERS if name != "least-loaded")
 START_TIMEOUT_S = 600.0
 IDLE = EngineLoad(waiting=0, running=0, kv_usage=0.0)
 
