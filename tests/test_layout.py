@@ -33,7 +33,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "hmakv.consumers": frozenset({"contracts", "hmakv.kvlog"}),
     "hmakv.kafka": frozenset(),
     "hmakv.vllm": frozenset({"hmakv.producer", "hmakv.kafka"}),
-    "hmakv.demo": frozenset({"hmakv.producer", "hmakv.kvlog", "hmakv.kafka", "hmakv.vllm"}),
+    # The demo's summary replays its own traffic through the routing study.
+    "hmakv.demo": frozenset(
+        {"hmakv.producer", "hmakv.kvlog", "hmakv.kafka", "hmakv.vllm", "hmakv.routing"}
+    ),
     # The routing study runs the engine, the bridge's fan-out and the index in one process.
     "hmakv.routing": frozenset(
         {"hmakv.producer", "hmakv.kvlog", "hmakv.bridge", "hmakv.consumers"}

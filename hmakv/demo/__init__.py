@@ -7,6 +7,7 @@ progress, and ends with a summary (JSON too) and a report with plots.
 
 Modules: ``config`` (what runs), ``processes`` (process groups, logs, shutdown), ``promtext``
 (reading /metrics), ``client`` (HTTP to engines and index), ``probe`` (the agreement check and
-routing), ``monitor`` (periodic samples and rates), ``live`` (the progress view), ``summary``,
-``report`` and ``run`` (the orchestration).
+routing), ``monitor`` (periodic samples and rates), ``live`` (the progress view),
+``comparison`` (the routed prompts replayed behind every router of ``hmakv.routing``),
+``summary``, ``report`` and ``run`` (the orchestration).
 """

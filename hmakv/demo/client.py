@@ -46,6 +46,13 @@ class EngineGroup(msgspec.Struct, frozen=True):
     sliding_window: int | None = None
 
 
+class Speculation(msgspec.Struct, frozen=True):
+    """The index's answer to ``POST /v1/routed``: the blocks it now holds speculatively."""
+
+    worker: str
+    speculated_blocks: int
+
+
 class EngineStatus(msgspec.Struct, frozen=True):
     worker_name: str
     profile: str
@@ -153,6 +160,11 @@ class IndexClient:
 
     async def workers(self) -> WorkersResponse:
         return await self.http.get(f"{self.base_url}/v1/workers", WorkersResponse)
+
+    async def routed(self, token_ids: Sequence[int], worker: str) -> Speculation:
+        """Tell the index the prompt goes to ``worker``, as a router does when it decides."""
+        document = {"token_ids": list(token_ids), "worker": worker}
+        return await self.http.post(f"{self.base_url}/v1/routed", document, Speculation)
 
 
 class Completion(msgspec.Struct, frozen=True):

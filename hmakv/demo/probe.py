@@ -3,7 +3,8 @@
 For each prompt it asks every engine for its real hit (``/v1/lookup``, which also gives the last
 seq the engine published), waits for the index to apply that worker's events, asks the index
 (``/v1/score``) and compares, worker by worker, the HMA-aware answer and the group-blind answer
-with the real one. Then it routes the prompt to the best worker, so later prompts find their
+with the real one. Then it routes the prompt to the best worker, telling the index
+(``/v1/routed``: it holds the prompt's blocks there speculatively), so later prompts find their
 prefixes cached, as a router's traffic does.
 
 The engines keep changing while this happens, so a comparison only counts when both sides
@@ -41,6 +42,7 @@ from hmakv.demo.client import (
 from hmakv.demo.prompts import PromptSource
 from hmakv.demo.recordlog import RecordLog
 from hmakv.kvlog.answers import Rank, ScoreResponse, WorkersResponse, WorkerView, best_worker
+from hmakv.routing.replay import RecordedPrompt
 
 MAX_ATTEMPTS = 4
 CATCH_UP_TIMEOUT_S = 5.0
@@ -48,6 +50,8 @@ POLL_INTERVAL_S = 0.005
 MAX_ROUTED_IN_FLIGHT = 4
 ROUTED_MAX_TOKENS = 8
 DISAGREEMENT_EXAMPLES = 10
+MAX_RECORDED_PROMPTS = 2000
+"""Routed prompts kept for the summary's routing comparison: a long run keeps its first ones."""
 
 EngineSamples = dict[str, dict[int, int]]
 """Per worker: the engine's real hit for the prompt, by the seq it was answered at."""
@@ -91,7 +95,11 @@ class ProbeStats:
     blind_decisions_right: int = 0
     routed: list[RoutedRequest] = field(default_factory=list)
     routing_errors: int = 0
+    speculated_blocks: int = 0
+    """Blocks the index held speculatively for the routed prompts (``POST /v1/routed``)."""
     last_error: str | None = None
+    traffic: list[RecordedPrompt] = field(default_factory=list)
+    """The prompts routed, as they were sent (up to ``MAX_RECORDED_PROMPTS``)."""
 
     @property
     def hma_agreeing(self) -> int:
@@ -312,6 +320,8 @@ class Prober:
         if len(self._routing) >= MAX_ROUTED_IN_FLIGHT:
             return
         worker = answer.best or self._rng.choice(sorted(self._engines))
+        if len(self.stats.traffic) < MAX_RECORDED_PROMPTS:
+            self.stats.traffic.append(RecordedPrompt(self._clock(), prompt))
         predicted = next((hit.hit_tokens for hit in answer.workers if hit.worker == worker), 0)
         task = asyncio.create_task(self._send(worker, prompt, predicted))
         self._routing.add(task)
@@ -319,6 +329,8 @@ class Prober:
 
     async def _send(self, worker: str, prompt: tuple[int, ...], predicted: int) -> None:
         try:
+            speculation = await self._index.routed(prompt, worker)
+            self.stats.speculated_blocks += speculation.speculated_blocks
             admission = await self._engines[worker].request(prompt, ROUTED_MAX_TOKENS)
         except (ServiceError, OSError, TimeoutError) as error:
             self.stats.routing_errors += 1

@@ -6,7 +6,9 @@
   whose full-attention copy stays (what a group-blind index gets wrong);
 - ``hits.png``: predicted against real prefix hits, HMA-aware and group-blind;
 - ``pipeline.png``: events per second per engine, records forwarded and applied, and the event
-  age (engine batch to index apply) over the run.
+  age (engine batch to index apply) over the run;
+- ``routers.png``: the summary's routing comparison: the share of prompt tokens each router's
+  choices found cached, per simulated fleet, with its TTFT p99.
 
 matplotlib draws off-screen (Agg), so no display is needed.
 """
@@ -27,12 +29,13 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from hmakv.demo.comparison import RoutingComparison
 from hmakv.demo.monitor import INDEX, Tick, rate
 from hmakv.demo.probe import ProbeStats
 from hmakv.demo.promtext import bucket_difference, bucket_quantile
 from hmakv.demo.summary import Summary, encode_json, render_text
 
-PLOTS = ("residency.png", "evictions.png", "hits.png", "pipeline.png")
+PLOTS = ("residency.png", "evictions.png", "hits.png", "pipeline.png", "routers.png")
 AGE_HISTOGRAM = f"{INDEX}_event_age_seconds"
 _DPI = 110
 
@@ -47,6 +50,7 @@ def write_report(
     _save(_evictions(ticks), directory / "evictions.png")
     _save(_hits(stats), directory / "hits.png")
     _save(_pipeline(ticks, workers), directory / "pipeline.png")
+    _save(_routers(summary.routing_comparison), directory / "routers.png")
     page = directory / "report.html"
     page.write_text(_html(summary))
     return page
@@ -176,6 +180,33 @@ def _events_of(worker: str) -> Callable[[Tick], float]:
         return tick.events_received(worker)
 
     return received
+
+
+def _routers(comparison: RoutingComparison | None) -> Figure:
+    fleets = comparison.fleets if comparison else []
+    figure, axes = plt.subplots(
+        max(1, len(fleets)), 1, figsize=(9, 3.4 * max(1, len(fleets))), squeeze=False
+    )
+    if not fleets:
+        axes[0, 0].text(0.5, 0.5, "no routing comparison in this run", ha="center")
+        axes[0, 0].set_axis_off()
+        return figure
+    for axis, fleet in zip(axes[:, 0], fleets, strict=True):
+        runs = fleet.runs[::-1]  # the first router on top
+        shares = [100 * run.cached_share for run in runs]
+        colours = ["tab:blue" if run.router.startswith("hmakv") else "tab:grey" for run in runs]
+        axis.barh([run.router for run in runs], shares, color=colours)
+        for row, run in enumerate(runs):
+            p99 = "-" if run.ttft_p99_s is None else f"{run.ttft_p99_s * 1000:.1f} ms"
+            axis.text(shares[row], row, f" {shares[row]:.1f}%, TTFT p99 {p99}", va="center")
+        axis.set_xlim(0, 135)
+        axis.set_xlabel("prompt tokens found cached, %")
+        axis.set_title(
+            f"This run's routed prompts behind each router: {fleet.engines} x {fleet.profile} "
+            f"({fleet.num_blocks} blocks), simulated"
+        )
+        axis.grid(alpha=0.3, axis="x")
+    return figure
 
 
 def _label(axis: Axes, title: str, unit: str) -> None:

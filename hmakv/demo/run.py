@@ -30,6 +30,7 @@ from aiokafka.errors import KafkaError
 
 from hmakv.demo.checks import acknowledged, answers, applied, catalogs, forwarded, ready
 from hmakv.demo.client import EngineClient, Http, IndexClient, ServiceError, VllmClient
+from hmakv.demo.comparison import RoutingComparison, compare_routers
 from hmakv.demo.config import VLLM, DemoConfig, EngineSpec
 from hmakv.demo.live import LiveView
 from hmakv.demo.monitor import Monitor, StatusSource, Tick
@@ -234,8 +235,15 @@ class Demo:
         run_s = self.clock()
         exits = await self._drain(http, engines, index)
         last = await monitor.sample(engines_running=False)
-        summary = self._summarise(first, last, prober, run_s, exits)
         await asyncio.to_thread(self._stop_everything)
+        self.say(f"replaying {len(prober.stats.traffic)} routed prompts behind each router")
+        comparison = await asyncio.to_thread(
+            compare_routers,
+            self.config.engines,
+            prober.stats.traffic,
+            self.config.engine_rate,
+        )
+        summary = self._summarise(first, last, prober, run_s, exits, comparison)
         return self._finish(summary, monitor, prober)
 
     async def _run_vllm(self, http: Http, index: IndexClient) -> int:
@@ -583,6 +591,7 @@ class Demo:
         prober: Prober | VllmProber,
         run_s: float,
         exits: dict[str, EngineExit],
+        comparison: RoutingComparison | None = None,
     ) -> Summary:
         facts = RunFacts(
             started_at=self._started,
@@ -594,7 +603,7 @@ class Demo:
             engines=self.config.engines,
             exits=exits,
         )
-        return build_summary(facts, first, last, prober.stats, MIN_COMPARED)
+        return build_summary(facts, first, last, prober.stats, MIN_COMPARED, comparison)
 
     def _kafka_description(self) -> str:
         embedded = self.config.embedded_broker

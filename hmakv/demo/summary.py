@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 
+from hmakv.demo.comparison import RoutingComparison
 from hmakv.demo.config import EngineSpec
 from hmakv.demo.monitor import BRIDGE, INDEX, Tick
 from hmakv.demo.probe import Comparison, ProbeStats
@@ -125,6 +126,8 @@ class Routing(msgspec.Struct, kw_only=True):
     requests_routed: int
     routed_hit_tokens_predicted: int
     routed_hit_tokens_granted: int
+    routed_speculated_blocks: int
+    """Blocks the index held speculatively for them until their events came (/v1/routed)."""
     disagreements: list[Comparison]
 
 
@@ -142,6 +145,8 @@ class Summary(msgspec.Struct, kw_only=True):
     kafka_ack_age: Latency
     index_catch_up: Latency
     routing: Routing
+    routing_comparison: RoutingComparison | None
+    """None where the run had no reference engines to replay its traffic on (real vLLM)."""
     ok: bool
     problems: list[str]
 
@@ -161,7 +166,12 @@ class RunFacts:
 
 
 def build_summary(
-    facts: RunFacts, first: Tick, last: Tick, stats: ProbeStats, min_compared: int = 1
+    facts: RunFacts,
+    first: Tick,
+    last: Tick,
+    stats: ProbeStats,
+    min_compared: int = 1,
+    comparison: RoutingComparison | None = None,
 ) -> Summary:
     """``first`` is the tick taken when probing began (ages are measured from there)."""
     engines = [
@@ -197,6 +207,7 @@ def build_summary(
             stats.catch_up_s, "probe: engine lookup to the index applying that seq"
         ),
         routing=routing,
+        routing_comparison=comparison,
         ok=not problems,
         problems=problems,
     )
@@ -326,6 +337,7 @@ def _routing(stats: ProbeStats) -> Routing:
         requests_routed=len(stats.routed),
         routed_hit_tokens_predicted=sum(r.predicted for r in stats.routed),
         routed_hit_tokens_granted=sum(r.granted for r in stats.routed),
+        routed_speculated_blocks=stats.speculated_blocks,
         disagreements=stats.disagreements(),
     )
 
@@ -416,11 +428,32 @@ def render_text(summary: Summary) -> str:
         f"{r.group_blind_under} too low)",
         f"             best worker picked right: HMA-aware {r.hma_decisions_right}/"
         f"{r.routing_decisions}, group-blind {r.group_blind_decisions_right}/"
-        f"{r.routing_decisions}; {r.requests_routed} requests routed",
+        f"{r.routing_decisions}; {r.requests_routed} requests routed "
+        f"({r.routed_speculated_blocks} blocks held speculatively until their events came)",
     ]
+    lines += _comparison_lines(summary.routing_comparison)
     verdict = "OK: zero loss, index agrees with every engine" if summary.ok else "FAILED: "
     lines.append(f"  result     {verdict}{'; '.join(summary.problems)}")
     return "\n".join(lines)
+
+
+def _comparison_lines(comparison: RoutingComparison | None) -> list[str]:
+    if comparison is None:
+        return ["  routers    no comparison: it replays traffic on reference engines only"]
+    lines = [
+        f"  routers    this run's {comparison.prompts} routed prompts behind each router, "
+        f"{comparison.fleets[0].engines if comparison.fleets else 0} simulated engines per "
+        "layout: cached share, TTFT p99, predicted hit = real"
+    ]
+    for fleet in comparison.fleets:
+        lines.append(f"             {fleet.profile} ({fleet.num_blocks} blocks):")
+        lines += [
+            f"               {run.router:20s} {_pct(run.cached_share):>6s}  "
+            f"{_ms(run.ttft_p99_s):>9s}  "
+            f"{_pct(run.predicted_exact / run.predicted) if run.predicted else 'n/a':>6s}"
+            for run in fleet.runs
+        ]
+    return lines
 
 
 def _count(value: int | None) -> str:

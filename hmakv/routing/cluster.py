@@ -9,6 +9,10 @@ seconds later (the pipeline's engine-to-index latency). Requests arrive on a see
 ``ArrivalSchedule``; the router picks an engine for each from its prefix estimate and the
 engines' load at that instant.
 
+Engines may also serve background traffic of their own (``Background``): requests that arrive at
+one engine without a routing decision, as the demo's engines serve their own workloads. They
+load the engines and fill their caches like any request, and are left out of the report.
+
 Everything is deterministic for a seed: the same run gives the same numbers.
 """
 
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hmakv.producer.engine.cache_manager import HybridCacheManager
@@ -42,6 +46,15 @@ class FleetSpec:
     cost: StepCost = field(default_factory=StepCost)
     event_lag: float = 0.02
     """Seconds from a step's end to its events reaching the routers (Apache Kafka's p50 here)."""
+
+
+@dataclass(frozen=True)
+class Background:
+    """An engine's own traffic: ``workload``'s requests at ``arrivals``, never routed."""
+
+    engine: int
+    workload: Workload
+    arrivals: list[float]
 
 
 @dataclass
@@ -71,6 +84,7 @@ class EngineTotals:
 @dataclass
 class RunResult:
     requests: list[RequestOutcome]
+    """The routed requests (background requests are not reported)."""
     engines: list[EngineTotals]
     simulated_s: float
 
@@ -123,16 +137,20 @@ class _Simulation:
         workload: Workload,
         hasher: PromptHasher,
         seed: int,
+        background: Sequence[Background],
     ) -> None:
         self._spec = spec
         self._router = router
         self._workload = workload
         self._hasher = hasher
+        self._background = list(background)
         self.now = 0.0
         self._engines = [_Engine(spec, self._clock, seed) for _ in range(spec.engines)]
         self._queue: list[tuple[float, int, int, int, object]] = []
         self._order = itertools.count()
         self.requests: dict[str, RequestOutcome] = {}
+        self._unrouted: dict[str, tuple[Workload, str]] = {}
+        """Background requests by their id in the engine: their workload and their own id."""
 
     def _clock(self) -> float:
         return self.now
@@ -143,16 +161,22 @@ class _Simulation:
     def run(self, arrivals: list[float], horizon: float) -> RunResult:
         for at in arrivals:
             self._push(at, _ARRIVAL, -1)
+        for number, background in enumerate(self._background):
+            for at in background.arrivals:
+                self._push(at, _ARRIVAL, background.engine, number)
         while self._queue and self._queue[0][0] <= horizon:
             at, kind, _, engine, payload = heapq.heappop(self._queue)
             self.now = at
-            if kind == _ARRIVAL:
+            if kind == _ARRIVAL and engine < 0:
                 self._arrive()
+            elif kind == _ARRIVAL:
+                self._arrive_unrouted(payload)  # type: ignore[arg-type]
             elif kind == _STEP_END:
                 self._end_step(engine, payload)  # type: ignore[arg-type]
             else:
                 self._router.observe(engine, payload, at)  # type: ignore[arg-type]
-        return RunResult(list(self.requests.values()), [e.totals for e in self._engines], self.now)
+        routed = [r for r in self.requests.values() if r.request_id not in self._unrouted]
+        return RunResult(routed, [e.totals for e in self._engines], self.now)
 
     def _arrive(self) -> None:
         spec = self._workload.next_request()
@@ -165,6 +189,19 @@ class _Simulation:
             spec.request_id, choice.worker, self.now, prompt.num_tokens, choice.predicted_hit
         )
         self._submit(choice.worker, spec)
+
+    def _arrive_unrouted(self, number: int) -> None:
+        background = self._background[number]
+        spec = background.workload.next_request()
+        if spec is None:
+            return
+        request_id = f"background-{number}-{spec.request_id}"
+        self._unrouted[request_id] = (background.workload, spec.request_id)
+        spec = RequestSpec(request_id, spec.prompt_token_ids, spec.max_tokens)
+        self.requests[request_id] = RequestOutcome(
+            request_id, background.engine, self.now, len(spec.prompt_token_ids), None
+        )
+        self._submit(background.engine, spec)
 
     def _submit(self, index: int, spec: RequestSpec) -> None:
         engine = self._engines[index]
@@ -204,9 +241,10 @@ class _Simulation:
             outcome = self.requests[finished.request_id]
             outcome.finished_at = self.now
             outcome.aborted = finished.reason.value != "length"
-            self._workload.finished(
-                finished.request_id, finished.output_token_ids, completed=not outcome.aborted
+            workload, request_id = self._unrouted.get(
+                finished.request_id, (self._workload, finished.request_id)
             )
+            workload.finished(request_id, finished.output_token_ids, completed=not outcome.aborted)
         if result.batch is not None:
             self._deliver(index, result.batch)
         engine = self._engines[index]
@@ -235,8 +273,10 @@ def simulate(
     hasher: PromptHasher,
     seed: int = 0,
     drain_s: float = 60.0,
+    background: Sequence[Background] = (),
 ) -> RunResult:
     """One router on one request stream; requests still unserved ``drain_s`` after the last
     arrival are reported as such."""
-    horizon = (arrivals[-1] if arrivals else 0.0) + drain_s
-    return _Simulation(spec, router, workload, hasher, seed).run(arrivals, horizon)
+    last = max([*arrivals[-1:], *(at for b in background for at in b.arrivals[-1:])], default=0.0)
+    simulation = _Simulation(spec, router, workload, hasher, seed, background)
+    return simulation.run(arrivals, last + drain_s)

@@ -61,15 +61,28 @@ LLM_D_WEIGHTS = Weights()
 
 
 class ScoredRouter:
-    """A prefix estimate weighed against load, llm-d's way."""
+    """A prefix estimate weighed against load, llm-d's way.
+
+    ``affinity``, when given, breaks ties between the best-scored workers before the random
+    pick: the worker it predicts the longest hit on wins (a routing history: where the prompt's
+    prefix was sent before). A prompt that no worker holds then follows its prefix instead of
+    landing anywhere, which keeps related prompts, and their future hits, together.
+    """
 
     def __init__(
-        self, name: str, estimate: PrefixEstimate, weights: Weights = LLM_D_WEIGHTS, *, seed: int
+        self,
+        name: str,
+        estimate: PrefixEstimate,
+        weights: Weights = LLM_D_WEIGHTS,
+        *,
+        seed: int,
+        affinity: PrefixEstimate | None = None,
     ) -> None:
         self.name = name
         self.estimate = estimate
         self._weights = weights
         self._rng = random.Random(seed)
+        self._affinity = affinity
 
     def observe(self, worker: int, batch: KVEventBatch, now: float) -> None:
         self.estimate.observe(worker, batch, now)
@@ -83,8 +96,16 @@ class ScoredRouter:
             weights.prefix * p + weights.queue * q + weights.kv_cache * (1.0 - load.kv_usage)
             for p, q, load in zip(prefix, queue, loads, strict=True)
         ]
-        worker = _pick_max(totals, self._rng)
+        top = max(totals)
+        tied = [worker for worker, total in enumerate(totals) if total == top]
+        if len(tied) > 1 and self._affinity is not None:
+            held = self._affinity.hits(prompt, now)
+            longest = max(held[worker] for worker in tied)
+            tied = [worker for worker in tied if held[worker] == longest]
+        worker = self._rng.choice(tied)
         self.estimate.routed(worker, prompt, now)
+        if self._affinity is not None:
+            self._affinity.routed(worker, prompt, now)
         return Choice(worker, hits[worker])
 
 

@@ -50,6 +50,7 @@ from hmakv.routing.policies import (
 ROUTERS = (
     "hmakv",
     "hmakv-speculative",
+    "hmakv-affinity",
     "removal-means-gone",
     "full-attention-only",
     "approximate",
@@ -130,6 +131,10 @@ def make_router(
     }
     if name in estimates:
         return ScoredRouter(name, estimates[name](), weights, seed=seed)
+    if name == "hmakv-affinity":
+        history = RoutingHistory(engines, hash_block_size, ttl=APPROXIMATE_TTL_S)
+        index = HmaIndexEstimate(engines, groups, hash_block_size)
+        return ScoredRouter(name, index, weights, seed=seed, affinity=history)
     if name == "least-loaded":
         return LeastLoaded(seed=seed)
     if name == "round-robin":

@@ -26,6 +26,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from hmakv.demo.report import PLOTS
 from hmakv.demo.services import Services, read_services
 from hmakv.kafka import TansuBroker
+from hmakv.routing.study import ROUTERS
 
 HMAKV = Path(sys.executable).with_name("hmakv")
 RUN_S = 20
@@ -200,6 +201,26 @@ def test_the_summary_reports_event_age_and_group_blind_agreement(
         routing["group_blind_agreeing"] + routing["group_blind_over"] + routing["group_blind_under"]
         == routing["worker_answers_compared"]
     ), routing
+
+
+def test_the_summary_compares_every_router_on_the_runs_own_traffic(
+    finished_run: FinishedRun,
+) -> None:
+    summary = finished_run.summary
+    comparison, routing = summary["routing_comparison"], summary["routing"]
+    sent = comparison["prompts"]  # every prompt the probe routed, all admitted in a clean run
+    assert sent == routing["requests_routed"] > 0
+    fleets = {fleet["profile"]: fleet for fleet in comparison["fleets"]}
+    assert set(fleets) == {"gpt-oss-like", "gemma3-like"}
+    for fleet in fleets.values():
+        runs = {run["router"]: run for run in fleet["runs"]}
+        assert list(runs) == list(ROUTERS)
+        for run in runs.values():
+            assert run["requests"] == run["served"] == sent, run
+            assert 0 <= run["cached_tokens"] <= run["prompt_tokens"], run
+        assert runs["hmakv"]["predicted"] == sent
+        assert runs["round-robin"]["predicted"] == 0
+    assert "routers    this run's" in finished_run.output
 
 
 def test_the_report_has_its_page_and_plots(finished_run: FinishedRun) -> None:

@@ -64,6 +64,9 @@ METRICS_OF_THE_STORY = (
     "hmakv_index_broker_silence_seconds",
     "hmakv_index_worker_stale",
     "hmakv_index_worker_lag_seqs",
+    "hmakv_index_speculative_blocks",
+    "hmakv_index_speculative_blocks_outcomes_total",
+    "hmakv_index_speculative_ttl_seconds",
 )
 
 

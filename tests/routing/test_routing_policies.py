@@ -82,3 +82,16 @@ def test_round_robin_cycles() -> None:
         2,
         0,
     ]
+
+
+def test_affinity_breaks_a_tie_towards_where_the_prefix_went_before() -> None:
+    history = FixedHits([0, 48, 16])
+    router = ScoredRouter("r", FixedHits([0, 0, 0]), seed=0, affinity=history)
+    choices = {router.choose(PROMPT, [IDLE] * 3, 0.0).worker for _ in range(20)}
+    assert choices == {1}
+    assert history.routed_to == [1] * 20
+
+
+def test_affinity_never_overrules_a_better_score() -> None:
+    router = ScoredRouter("r", FixedHits([0, 32, 0]), seed=0, affinity=FixedHits([96, 0, 0]))
+    assert router.choose(PROMPT, [IDLE] * 3, 0.0).worker == 1
