@@ -123,6 +123,9 @@ class FollowerConfig:
     ``freshness``: how long Kafka may be silent, and a worker behind, before the index says so.
     ``speculative_ttl_s``: how long a routed prompt's blocks stay speculatively held; None
     follows the measured event lag (``speculation.SpeculationTtl``).
+    ``speculative_prefill_chunk_tokens``: the engines' ``max_num_batched_tokens``, so that a
+    routed prompt's mamba states are also held where its prefill's chunks stop (None: only the
+    last aligned state).
     """
 
     bootstrap: str
@@ -141,6 +144,7 @@ class FollowerConfig:
     partition_check_interval_s: float = 5.0
     freshness: FreshnessLimits = field(default_factory=FreshnessLimits)
     speculative_ttl_s: float | None = None
+    speculative_prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -656,7 +660,13 @@ class Follower:
         ``UnknownWorker``."""
         ttl = self.speculation_ttl.for_request(ttl_s)
         now = self.expire_speculation()
-        blocks = self.index.speculate(worker, block_hashes, num_tokens, expires_at=now + ttl)
+        blocks = self.index.speculate(
+            worker,
+            block_hashes,
+            num_tokens,
+            expires_at=now + ttl,
+            prefill_chunk_tokens=self.config.speculative_prefill_chunk_tokens,
+        )
         return blocks, ttl
 
     def expire_speculation(self) -> float:

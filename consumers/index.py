@@ -651,6 +651,7 @@ class KVIndex:
         num_tokens: int,
         *,
         expires_at: float,
+        prefill_chunk_tokens: int | None = None,
     ) -> int:
         """Count a prompt just routed to ``worker`` as held there until ``expires_at`` (on the
         caller's clock, see ``expire_speculation``), or until its events settle each block; the
@@ -658,8 +659,11 @@ class KVIndex:
 
         Each group of the worker's catalog gets the blocks its engine caches once it computed the
         prompt (``_cached_by_prefill``), at the group's own block size; blocks it really holds on
-        the GPU are left alone. Past ``max_blocks_per_worker`` (real and speculative blocks
-        together) blocks are refused and counted; real stores never are for speculation's sake.
+        the GPU are left alone. ``prefill_chunk_tokens`` (the engine's ``max_num_batched_tokens``)
+        adds the mamba states a lone prefill of the prompt caches where its chunks stop, from the
+        worker's hit for it (``_prefill_stops``); without it, only the last aligned state.
+        Past ``max_blocks_per_worker`` (real and speculative blocks together) blocks are refused
+        and counted; real stores never are for speculation's sake.
         Raises ``UnknownWorker``: a router must not make the index invent workers.
         """
         state = self._workers.get(worker)
@@ -670,11 +674,15 @@ class KVIndex:
             return 0
         keys = _as_keys(block_hashes)[: num_tokens // self.hash_block_size]
         align = alignment(rules)
+        stops = [num_tokens // align * align]
+        if prefill_chunk_tokens is not None and any(rule.rule == "state" for rule in rules):
+            start = self._hit_before_routing(worker, keys, num_tokens)
+            stops = _prefill_stops(start, num_tokens, align, prefill_chunk_tokens)
         room = self.max_blocks_per_worker - sum(state.resident.values()) - len(state.speculative)
         held: list[tuple[int, ExternalBlockHash]] = []
         added = 0
         for rule in rules:
-            hashes = _cached_by_prefill(rule, keys, self.hash_block_size, num_tokens, align)
+            hashes = _cached_by_prefill(rule, keys, self.hash_block_size, stops)
             added += self._speculate_group(
                 state, rule.group_idx, hashes, expires_at, room - added, held
             )
@@ -684,6 +692,16 @@ class KVIndex:
             self._speculating |= state.bit
         self._counters.speculated += added
         return added
+
+    def _hit_before_routing(
+        self, worker: str, keys: Sequence[ExternalBlockHash], num_tokens: int
+    ) -> int:
+        """Where the worker's prefill of the prompt starts: its hit, speculative blocks held."""
+        hits = self.score(keys, num_tokens, workers=[worker], details=False)
+        if not hits:  # no catalog it can be scored by
+            return 0
+        hit = hits[0]
+        return hit.hit_tokens if hit.speculative_hit_tokens is None else hit.speculative_hit_tokens
 
     def expire_speculation(self, now: float) -> int:
         """Drop the speculative blocks whose expiry is at or before ``now``; how many went.
@@ -990,22 +1008,33 @@ def _cached_by_prefill(
     rule: GroupRule,
     hashes: Sequence[ExternalBlockHash],
     hash_block_size: int,
-    num_tokens: int,
-    align: int,
+    stops: Sequence[int],
 ) -> Sequence[ExternalBlockHash]:
     """The group's blocks (by the hash of each one's last sub-block) that its engine caches once
-    it computed a prompt of ``num_tokens`` with these full hash blocks.
+    it computed a prompt with these full hash blocks, its prefill stopping at ``stops`` tokens.
 
     Attention groups (full, window, chunked local) cache every full block; a mamba group in
-    vLLM's "align" mode only the state block that the prefill's aligned split ends on, at the
-    longest aligned length within the prompt (the scheduler stops a chunk there so that it is
-    cached; a request decoding or prefilled in smaller chunks may cache more).
+    vLLM's "align" mode only the state blocks its prefill's chunks end on (a request decoding,
+    or prefilled in smaller chunks beside others, may cache more).
     """
     step = rule.block_size // hash_block_size
     if rule.rule != "state":
         return hashes[step - 1 : len(hashes) // step * step : step]
-    end = num_tokens // align * align // hash_block_size  # hash blocks up to the state
-    return [hashes[end - 1]] if end >= step and end <= len(hashes) else []
+    ends = (stop // hash_block_size for stop in stops)  # hash blocks up to each state
+    return [hashes[end - 1] for end in ends if step <= end <= len(hashes)]
+
+
+def _prefill_stops(start: int, num_tokens: int, align: int, chunk_tokens: int) -> list[int]:
+    """Where a lone prefill from ``start`` (an aligned hit) stops its chunks, in tokens.
+
+    vLLM's ``Scheduler._mamba_block_aligned_split`` (and the reference engine's): chunks of
+    ``chunk_tokens`` cut to whole aligned blocks until the prompt's last aligned length, where
+    the chunk crossing it stops; the states at those ends are cached.
+    """
+    last = num_tokens // align * align
+    chunk = chunk_tokens // align * align
+    stops = list(range(start + chunk, last, chunk)) if chunk > 0 else []
+    return [*stops, last]
 
 
 def _unapplied(worker: _Worker, record: EventRecord) -> list[KVEvent] | None:

@@ -163,6 +163,15 @@ def _add_freshness_options(parser: argparse.ArgumentParser) -> None:
         f"event lag within {DEFAULT_FLOOR_S:g}-{DEFAULT_CEILING_S:g} s ({DEFAULT_TTL_S:g} s "
         f"until a lag is measured)",
     )
+    parser.add_argument(
+        "--speculative-prefill-chunk",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="the engines' max_num_batched_tokens: a prompt POST /v1/routed names also counts "
+        "the mamba states its prefill caches where its chunks stop, not only the last one "
+        "(default: only the last)",
+    )
 
 
 def _add_snapshot_options(parser: argparse.ArgumentParser) -> None:
@@ -273,6 +282,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             max_broker_silence_s=args.max_broker_silence, max_worker_lag=args.max_worker_lag
         ),
         speculative_ttl_s=args.speculative_ttl,
+        speculative_prefill_chunk_tokens=args.speculative_prefill_chunk,
     )
     return ServiceConfig(
         follower=follower,

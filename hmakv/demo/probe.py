@@ -41,7 +41,14 @@ from hmakv.demo.client import (
 )
 from hmakv.demo.prompts import PromptSource
 from hmakv.demo.recordlog import RecordLog
-from hmakv.kvlog.answers import Rank, ScoreResponse, WorkersResponse, WorkerView, best_worker
+from hmakv.kvlog.answers import (
+    Rank,
+    ScoreResponse,
+    WorkerHit,
+    WorkersResponse,
+    WorkerView,
+    best_worker,
+)
 from hmakv.routing.replay import RecordedPrompt
 
 MAX_ATTEMPTS = 4
@@ -72,11 +79,17 @@ class Comparison(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclass(frozen=True)
 class RoutedRequest:
-    """A prompt sent to the worker the index chose, with the hit predicted and the one granted."""
+    """A prompt sent to the worker the index chose, with the hit predicted and the one granted.
+
+    ``speculative`` is the prediction with the blocks of prompts routed earlier and not yet
+    confirmed counted as held (the index's ``speculative_hit_tokens``): reported beside the
+    confirmed one, never in the agreement figures.
+    """
 
     at_s: float
     worker: str
     predicted: int
+    speculative: int
     granted: int
 
 
@@ -322,12 +335,13 @@ class Prober:
         worker = answer.best or self._rng.choice(sorted(self._engines))
         if len(self.stats.traffic) < MAX_RECORDED_PROMPTS:
             self.stats.traffic.append(RecordedPrompt(self._clock(), prompt))
-        predicted = next((hit.hit_tokens for hit in answer.workers if hit.worker == worker), 0)
+        hit = next((hit for hit in answer.workers if hit.worker == worker), None)
+        predicted = (0, 0) if hit is None else (hit.hit_tokens, _speculative_hit(hit))
         task = asyncio.create_task(self._send(worker, prompt, predicted))
         self._routing.add(task)
         task.add_done_callback(self._routing.discard)
 
-    async def _send(self, worker: str, prompt: tuple[int, ...], predicted: int) -> None:
+    async def _send(self, worker: str, prompt: tuple[int, ...], predicted: tuple[int, int]) -> None:
         try:
             speculation = await self._index.routed(prompt, worker)
             self.stats.speculated_blocks += speculation.speculated_blocks
@@ -338,5 +352,10 @@ class Prober:
             return
         self._prompts.routed(prompt)
         self.stats.routed.append(
-            RoutedRequest(self._clock(), worker, predicted, admission.num_cached_tokens)
+            RoutedRequest(self._clock(), worker, *predicted, admission.num_cached_tokens)
         )
+
+
+def _speculative_hit(hit: WorkerHit) -> int:
+    """The hit with speculative blocks counted (the confirmed one from an index without them)."""
+    return hit.hit_tokens if hit.speculative_hit_tokens is None else hit.speculative_hit_tokens

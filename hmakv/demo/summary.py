@@ -126,6 +126,11 @@ class Routing(msgspec.Struct, kw_only=True):
     requests_routed: int
     routed_hit_tokens_predicted: int
     routed_hit_tokens_granted: int
+    routed_predicted_granted: int
+    """Routed requests whose confirmed predicted hit was the hit the engine granted at admission
+    (the engine may have changed in between: not an agreement figure)."""
+    routed_speculative_granted: int
+    """The same with the speculative prediction (blocks of earlier routed prompts counted)."""
     routed_speculated_blocks: int
     """Blocks the index held speculatively for them until their events came (/v1/routed)."""
     disagreements: list[Comparison]
@@ -337,6 +342,8 @@ def _routing(stats: ProbeStats) -> Routing:
         requests_routed=len(stats.routed),
         routed_hit_tokens_predicted=sum(r.predicted for r in stats.routed),
         routed_hit_tokens_granted=sum(r.granted for r in stats.routed),
+        routed_predicted_granted=sum(r.predicted == r.granted for r in stats.routed),
+        routed_speculative_granted=sum(r.speculative == r.granted for r in stats.routed),
         routed_speculated_blocks=stats.speculated_blocks,
         disagreements=stats.disagreements(),
     )
@@ -428,8 +435,10 @@ def render_text(summary: Summary) -> str:
         f"{r.group_blind_under} too low)",
         f"             best worker picked right: HMA-aware {r.hma_decisions_right}/"
         f"{r.routing_decisions}, group-blind {r.group_blind_decisions_right}/"
-        f"{r.routing_decisions}; {r.requests_routed} requests routed "
-        f"({r.routed_speculated_blocks} blocks held speculatively until their events came)",
+        f"{r.routing_decisions}; {r.requests_routed} requests routed, granted the predicted "
+        f"hit {r.routed_predicted_granted} times, the speculative one "
+        f"{r.routed_speculative_granted} ({r.routed_speculated_blocks} blocks held "
+        "speculatively until their events came)",
     ]
     lines += _comparison_lines(summary.routing_comparison)
     verdict = "OK: zero loss, index agrees with every engine" if summary.ok else "FAILED: "

@@ -252,7 +252,8 @@ class VllmProber:
         chosen = next((c for c in found if c.worker == best), None)
         if chosen is not None:
             self.stats.routed.append(
-                RoutedRequest(self._clock(), chosen.worker, chosen.hma, chosen.actual)
+                # no /v1/routed here: the speculative prediction is the confirmed one
+                RoutedRequest(self._clock(), chosen.worker, chosen.hma, chosen.hma, chosen.actual)
             )
 
     async def _settle(self, quiet_s: float = QUIET_S) -> dict[str, int]:

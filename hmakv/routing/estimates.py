@@ -71,9 +71,11 @@ class HmaIndexEstimate:
         hash_block_size: int,
         *,
         speculation: SpeculationTtl | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> None:
         self.index = KVIndex(hash_block_size=hash_block_size)
         self._speculation = speculation
+        self._prefill_chunk_tokens = prefill_chunk_tokens
         self._names = [f"engine-{worker}" for worker in range(workers)]
         self._groups = list(range(len(groups)))
         self._seqs = [0] * workers
@@ -93,7 +95,11 @@ class HmaIndexEstimate:
             expires_at = now + self._speculation.ttl_s()
             name = self._names[worker]
             self.index.speculate(
-                name, prompt.block_hashes, prompt.num_tokens, expires_at=expires_at
+                name,
+                prompt.block_hashes,
+                prompt.num_tokens,
+                expires_at=expires_at,
+                prefill_chunk_tokens=self._prefill_chunk_tokens,
             )
 
     def hits(self, prompt: Prompt, now: float) -> list[int]:

@@ -77,7 +77,9 @@ def replay(
     arrivals = [prompt.at_s - start for prompt in prompts]
     reports = []
     for name in routers:
-        router = make_router(name, engines, profile.groups, block_size, seed=seed)
+        router = make_router(
+            name, engines, profile.groups, block_size, seed=seed, token_budget=spec.token_budget
+        )
         traffic = RecordedTraffic(prompts, max_tokens)
         result = simulate(
             spec, router, traffic, arrivals, hasher=hasher, seed=seed, background=background()

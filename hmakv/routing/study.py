@@ -114,12 +114,19 @@ def make_router(
     weights: Weights = LLM_D_WEIGHTS,
     *,
     seed: int = 0,
+    token_budget: int | None = None,
 ) -> Router:
-    """The router called ``name`` for ``engines`` engines of one cache layout."""
+    """The router called ``name`` for ``engines`` engines of one cache layout; the engines'
+    ``token_budget`` (``max_num_batched_tokens``), when known, tells the speculative index where
+    their mamba prefills stop."""
     estimates: dict[str, Callable[[], PrefixEstimate]] = {
         "hmakv": lambda: HmaIndexEstimate(engines, groups, hash_block_size),
         "hmakv-speculative": lambda: HmaIndexEstimate(
-            engines, groups, hash_block_size, speculation=SpeculationTtl()
+            engines,
+            groups,
+            hash_block_size,
+            speculation=SpeculationTtl(),
+            prefill_chunk_tokens=token_budget,
         ),
         "removal-means-gone": lambda: HashSetEstimate(
             engines, groups, hash_block_size, keep=every_group
@@ -163,7 +170,13 @@ def run_one(
     )
     groups = profile.groups
     router = make_router(
-        router_name, spec.engines, groups, hash_block_size(groups), weights, seed=stream.seed
+        router_name,
+        spec.engines,
+        groups,
+        hash_block_size(groups),
+        weights,
+        seed=stream.seed,
+        token_budget=spec.token_budget,
     )
     result = simulate(spec, router, workload, arrival_times(schedule), hasher=hasher)
     return summarize(profile.name, stream.workload, router_name, result)

@@ -18,6 +18,7 @@ from hmakv.consumers.metrics import index_registry
 from hmakv.consumers.speculation import DEFAULT_CEILING_S, DEFAULT_TTL_S
 from hmakv.consumers.stats import ScoreStats
 from hmakv.kvlog.records import Topics
+from hmakv.producer.events import GroupSpec
 
 TOKEN = "routed-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -177,3 +178,33 @@ async def scrape(client: TestClient[Any, Any]) -> dict[tuple[str, str], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+@pytest.mark.parametrize(("chunk", "states"), [(None, [8]), (2 * BLOCK, [2, 4, 6, 8])])
+async def test_the_engines_prefill_chunk_adds_the_mamba_states_where_chunks_stop(
+    clock: Clock, chunk: int | None, states: list[int]
+) -> None:
+    """``--speculative-prefill-chunk`` reaches the index: a mamba group (block 16, as the hash
+    block) gets a state wherever a lone prefill of the prompt stops a chunk (blocks 2, 4, 6) as
+    well as at its last full block (8); a follow-up that branches after block 5 then hits 4."""
+    config = FollowerConfig(
+        "127.0.0.1:1",
+        Topics("unused"),
+        hash_block_size=BLOCK,
+        speculative_prefill_chunk_tokens=chunk,
+    )
+    follower = Follower(config, clock=clock)
+    mamba = {
+        0: GroupSpec(kind="full_attention", block_size=BLOCK),
+        1: GroupSpec(kind="mamba", block_size=BLOCK),
+    }
+    follower.index.set_catalog("hybrid", mamba)
+    stats = ScoreStats()
+    api = ScoreApi(follower, index_registry(follower, stats), stats, limits=LIMITS)
+    async with TestClient(TestServer(build_app(api, token=TOKEN))) as client:
+        status, routed = await post(client, "/v1/routed", {"worker": "hybrid", "token_ids": PROMPT})
+        assert status == 200 and routed["speculated_blocks"] == 8 + len(states)
+        branch = [*PROMPT[: 5 * BLOCK + 3], 1, 2, 3]
+        status, answer = await post(client, "/v1/score", {"token_ids": branch})
+        expected = 4 * BLOCK if chunk else 0
+        assert by_worker(answer)["hybrid"]["speculative_hit_tokens"] == expected

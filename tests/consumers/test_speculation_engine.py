@@ -35,13 +35,13 @@ class Worker:
         size = self.index.hash_block_size
         return [external(digest) for digest in self.hasher.block_hashes(tokens, size)]
 
-    def prefill(self, request_id: str, tokens: list[int]) -> None:
-        """Run the prompt to its end, one scheduler step at a time, and finish it; each step's
-        events are applied."""
-        assert self.manager.admit(request_id, tokens) is not None
+    def prefill(self, request_id: str, tokens: list[int], budget: int | None = None) -> None:
+        """Run the prompt to its end, one scheduler step (of ``budget`` tokens at most) at a
+        time, and finish it; each step's events are applied."""
+        assert self.manager.admit(request_id, tokens, token_budget=budget) is not None
         self.apply_step()
         while self.manager.progress(request_id).num_computed_tokens < len(tokens):
-            assert self.manager.schedule(request_id)
+            assert self.manager.schedule(request_id, token_budget=budget)
             self.apply_step()
         self.manager.finish(request_id)
         self.apply_step()
@@ -86,3 +86,32 @@ def test_the_speculative_hit_is_the_hit_the_engine_gives_once_its_events_are_app
     assert worker.index.workers()[0].speculative_blocks == 0  # every one confirmed
     counters = worker.index.counters
     assert counters.speculation_confirmed == counters.speculated > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_given_the_chunk_size_mamba_states_where_chunks_stop_are_held_too(seed: int) -> None:
+    """A mamba engine caches a state where each prefill chunk stops, not only at the prompt's
+    end: a prompt branching off the routed one mid-way hits the last of those before it. Told
+    the engine's budget, the index speculates them all, from the worker's hit for the prompt;
+    without it, only the last, so the branch's speculative hit falls short."""
+    rng = random.Random(seed)
+    budget = rng.choice([128, 256, 320])
+    worker = Worker("mamba-hybrid-like")
+    shared = [rng.randrange(1000) for _ in range(rng.randint(500, 1200))]
+    routed = shared + [rng.randrange(1000) for _ in range(rng.randint(100, 400))]
+    branch = shared + [rng.randrange(1000) for _ in range(rng.randint(1, 60))]
+    if seed % 2:  # the routed prompt's prefill then starts from a hit
+        worker.prefill("earlier", shared[: rng.randint(64, 400)])
+    hashes = worker.hashes(routed)
+
+    worker.index.speculate(WORKER, hashes, len(routed), expires_at=2.0)
+    _, last_state_only = worker.score(branch)
+    worker.index.expire_speculation(3.0)
+    worker.index.speculate(WORKER, hashes, len(routed), expires_at=4.0, prefill_chunk_tokens=budget)
+    _, speculative = worker.score(branch)
+
+    worker.prefill("routed", routed, budget)
+    engine_hit = worker.manager.lookup(branch)
+    assert speculative == engine_hit == worker.score(branch)[0]
+    assert last_state_only < engine_hit
+    assert worker.index.workers()[0].speculative_blocks == 0  # every one confirmed

@@ -203,6 +203,19 @@ def test_the_summary_reports_event_age_and_group_blind_agreement(
     ), routing
 
 
+def test_routed_prompts_are_held_speculatively_and_reported_apart(
+    finished_run: FinishedRun,
+) -> None:
+    """The probe announces each choice (/v1/routed) as a router does; what the speculative
+    prediction got right is reported beside the confirmed one, outside the agreement figures."""
+    routing = finished_run.summary["routing"]
+    assert routing["routed_speculated_blocks"] > 0, routing
+    routed = routing["requests_routed"]
+    assert 0 < routing["routed_predicted_granted"] <= routed, routing
+    assert 0 < routing["routed_speculative_granted"] <= routed, routing
+    assert routing["hma_agreement"] == 1.0, routing
+
+
 def test_the_summary_compares_every_router_on_the_runs_own_traffic(
     finished_run: FinishedRun,
 ) -> None:
