@@ -68,9 +68,10 @@ class RouterResult:
 class Server:
     """One ``hmakv vllm serve`` process: its client and its event witness."""
 
-    def __init__(self, name: str, ports: ServerPorts, http: Http) -> None:
+    def __init__(self, name: str, ports: ServerPorts, http: Http, quiet_s: float) -> None:
         self.name = name
         self.ports = ports
+        self.quiet_s = quiet_s  # no event for this long: the server's batches are all in
         self.url = f"http://{LOOPBACK}:{ports.api}"
         self.client = VllmClient(http, name, self.url, SERVED_MODEL_NAME)
         self.witness: EventWitness | None = None
@@ -84,7 +85,7 @@ class Server:
 
     async def settle(self) -> EventWitness:
         assert self.witness is not None
-        await self.witness.settle(quiet_s=0.02)
+        await self.witness.settle(quiet_s=self.quiet_s)
         return self.witness
 
 
@@ -205,7 +206,7 @@ async def study(args: argparse.Namespace, workdir: Path) -> list[RouterResult]:
     http = Http(timeout_s=120.0)
     context = zmq.asyncio.Context()
     ports = spawn_servers(children, args.profile, args.servers)
-    servers = [Server(f"vllm-{n}", p, http) for n, p in enumerate(ports)]
+    servers = [Server(f"vllm-{n}", p, http, args.settle_quiet) for n, p in enumerate(ports)]
     try:
         await wait_healthy(children, servers)
         for server in servers:
@@ -234,6 +235,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=150, help="per router")
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--settle-quiet",
+        type=float,
+        default=0.02,
+        metavar="SECONDS",
+        help="before each decision, wait until no server published for this long (longer on a "
+        "busy machine: a step's events may follow its response)",
+    )
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/routing_vllm.json"))
     args = parser.parse_args()
     args.routers = [name for name in args.routers.split(",") if name]

@@ -39,6 +39,15 @@ async def test_a_bridge_killed_mid_stream_resumes_and_loses_nothing(
             await fleet.until(moved_on, "the engines published 30 batches with no bridge")
             await fleet.start_bridge()
         await fleet.settle()
+
+        async def all_live() -> bool:  # the quiet catch-up's probe replay may still be running
+            page = await fleet.bridge_metrics()
+            return all(
+                page.total(f"{BRIDGE}_worker_health", worker=name, health="live") == 1
+                for name in seqs
+            )
+
+        await fleet.until(all_live, "every worker live again")
         page = await fleet.bridge_metrics()
         index_page = await fleet.index_metrics()
         await fleet.assert_agreement()
