@@ -20,7 +20,10 @@ KNOWN_EVENT_CLASSES = (BlockStored, BlockRemoved, AllBlocksCleared)
 UNKNOWN_EVENT_TYPE = "unknown"
 EVENT_TYPES = (*(cls.__name__ for cls in KNOWN_EVENT_CLASSES), UNKNOWN_EVENT_TYPE)
 
-_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+    5, 10, 30,
+)  # fmt: skip
 _REPLAY_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
 _WAKEUP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -138,6 +141,12 @@ class BridgeMetrics:
         self.send_latency = histogram(
             "hmakv_bridge_kafka_send_latency_seconds",
             "From handing a chunk of records to the producer to Kafka's acknowledgement",
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.intake_age = histogram(
+            "hmakv_bridge_intake_age_seconds",
+            "From the engine's batch timestamp to the bridge reading the batch live (the engine's "
+            "publish and ZMQ)",
             buckets=_LATENCY_BUCKETS,
         )
         self.end_to_end_age = histogram(

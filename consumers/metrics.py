@@ -220,6 +220,12 @@ class IndexCollector(Collector):
             f"{PREFIX}_event_age_seconds",
             "From the engine batch timestamp to the record being applied",
         )
+        yield _histogram(
+            stats.fetch_age,
+            f"{PREFIX}_fetch_age_seconds",
+            "From an event record's Kafka timestamp (the bridge handing it to its producer) to "
+            "this process fetching it",
+        )
 
     def _freshness_families(self) -> Iterator[Metric]:
         """Readiness, Kafka's silence and each worker's lag and staleness, from one reading; a

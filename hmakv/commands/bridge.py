@@ -166,7 +166,8 @@ def _add_kafka_tuning(parser: argparse.ArgumentParser) -> None:
         type=non_negative_float,
         default="2",
         metavar="MS",
-        help="how long a small chunk of records may wait for more before it is sent to Kafka",
+        help="how long a small chunk of records may wait for more before it is sent to Kafka, "
+        "while an earlier chunk is unacknowledged (an idle producer sends at once)",
     )
     add(
         "--max-record-bytes",

@@ -140,6 +140,13 @@ def _add_kafka_options(parser: argparse.ArgumentParser) -> None:
 def _add_freshness_options(parser: argparse.ArgumentParser) -> None:
     add_seconds(
         parser,
+        "--fetch-max-wait",
+        "how long a fetch may wait at the broker for records: Apache Kafka answers as soon as "
+        "one arrives, Tansu only when this passes (so it bounds the index's staleness there)",
+        default=f"{FollowerConfig.fetch_max_wait_s:g}",
+    )
+    add_seconds(
+        parser,
         "--max-broker-silence",
         "seconds without an answer from Kafka after which /readyz answers 503 and every worker "
         "is stale (never best in /v1/score), until Kafka answers again",
@@ -283,6 +290,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         ),
         speculative_ttl_s=args.speculative_ttl,
         speculative_prefill_chunk_tokens=args.speculative_prefill_chunk,
+        fetch_max_wait_s=args.fetch_max_wait,
     )
     return ServiceConfig(
         follower=follower,

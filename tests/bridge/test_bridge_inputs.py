@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -530,6 +531,8 @@ async def test_health_readiness_and_metrics_endpoints(kafka_bootstrap: str) -> N
             log = KafkaLog(kafka_bootstrap, settings.topics)
             await log.wait_for(lambda log: log.has_seq("engine-a", 10), "ten steps")
             await metric_reaches(bridge, "hmakv_bridge_records_produced_total", 1, topic="events")
+            await engine.published_all(5)  # and five live ones
+            await log.wait_for(lambda log: log.has_seq("engine-a", 15), "five more steps")
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"{base}/healthz") as response:
                     assert (response.status, await response.text()) == (200, "ok\n")
@@ -574,6 +577,9 @@ async def test_health_readiness_and_metrics_endpoints(kafka_bootstrap: str) -> N
         'hmakv_bridge_records_produced_total{topic="events"}',
     ):
         assert line in exposition, line
+    # every live batch's age on arrival, engine timestamp to the bridge reading it
+    intake = re.search(r"^hmakv_bridge_intake_age_seconds_count (\S+)$", exposition, re.M)
+    assert intake is not None and float(intake[1]) >= 5
     assert 'worker="nobody"' not in exposition  # a removed worker's series go with it
 
 

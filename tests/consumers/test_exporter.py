@@ -132,6 +132,9 @@ async def test_metrics_parse_pass_promtool_and_report_the_index(
     assert value(page, "hmakv_index_records_consumed_total", topic=topics.events) == 7
     assert value(page, "hmakv_index_consumer_lag_records", topic=topics.events) == 0
     assert value(page, "hmakv_index_event_age_seconds_count") == 5
+    # every events-topic record fetched, applied or not; Kafka's timestamps are the producer's
+    assert value(page, "hmakv_index_fetch_age_seconds_count") == 7
+    assert value(page, "hmakv_index_fetch_age_seconds_sum") < 60
     assert value(page, "hmakv_index_score_requests_total", outcome="ok") == 1
     assert value(page, "hmakv_index_score_requests_total", outcome="rejected") == 1
     assert value(page, "hmakv_index_score_duration_seconds_count") == 2

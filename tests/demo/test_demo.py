@@ -194,6 +194,11 @@ def test_the_summary_reports_event_age_and_group_blind_agreement(
     age = summary["event_age"]
     assert age["p50_s"] is not None and age["p99_s"] is not None, age
     assert 0 <= age["p50_s"] <= age["p99_s"], age
+    hops = summary["hops"]  # engine -> bridge, bridge -> Kafka's ack, Kafka -> the index
+    assert len(hops) == 3, hops
+    for hop in hops:
+        assert hop["p50_s"] is not None and 0 <= hop["p50_s"] <= hop["p99_s"], hop
+        assert hop["p50_s"] <= age["p99_s"], (hop, age)  # a hop is part of the whole
     routing = summary["routing"]
     blind = routing["group_blind_agreement"]
     assert blind is not None and 0.0 <= blind <= 1.0, routing

@@ -67,6 +67,8 @@ METRICS_OF_THE_STORY = (
     "hmakv_index_speculative_blocks",
     "hmakv_index_speculative_blocks_outcomes_total",
     "hmakv_index_speculative_ttl_seconds",
+    "hmakv_bridge_intake_age_seconds_bucket",
+    "hmakv_index_fetch_age_seconds_bucket",
 )
 
 
