@@ -1,10 +1,12 @@
 """Index benchmark: apply throughput, score latency and memory, each beside a plain baseline.
 
 (a) apply: a synthetic fleet of 64 workers x 3 groups (full attention, sliding windows of 32 and
-    64 tokens) serving requests that share system prompts; each worker caches what it computes,
-    evicts the oldest blocks when full and evicts window blocks sooner. The same pre-decoded
-    records go to the index and to a dict of sets per (worker, group), the floor that neither
-    counts copies, nor deduplicates records, nor knows media. Block updates per second.
+    64 tokens) serving requests that share system prompts; each worker caches what it computes
+    under the last block it found (the store's parent, as vLLM's), evicts in vLLM's order when
+    full (least recently used first, a request's tail before its head) and evicts window blocks
+    sooner. The same pre-decoded records go to the index and to a dict of sets per (worker,
+    group), the floor that neither counts copies, nor deduplicates records, nor knows media.
+    Block updates per second.
 (b) score: 512-block prompts over 64 workers, the whole prompt cached on 48 of them, half on 8;
     p50/p99 of ``KVIndex.score`` (hit, per-group breakdown, tiers, group-blind answer) for the
     whole prompt and for a fork of it, and of the hit alone (``details=False``), back to back,
@@ -16,6 +18,13 @@
     entry, for a fleet where most blocks are shared system prompts and for one sharing none.
     N is 50k by default: tracing 64 x 200k entries costs minutes on a small machine, so that
     size (the target's) runs with --full-memory; per-entry costs hardly move with N.
+(d) beside NVIDIA Dynamo's indexer (the bench extra: ``dynamo._core.RadixTree`` of
+    ai-dynamo-runtime 1.6.1; skipped with one line without it): the same stream of (a) and the
+    same prompts of (b) as Dynamo's JSON events, only the full-attention group's, as Dynamo's
+    router keeps them. Apply block ops/s and hit-only score p50/p99 beside the index's, memory as
+    RSS deltas of a fresh subprocess per side (tracemalloc cannot see Rust's heap), and where the
+    answers differ on the hybrid stream: Dynamo's overlap against the index's HMA hit per worker
+    for requests served earlier.
 
     python benchmarks/index.py [--json PATH] [--quick] [--full-memory]
 """
@@ -23,20 +32,23 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import gc
 import json
+import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
-from collections import defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -45,6 +57,7 @@ import msgspec
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from hmakv.consumers.index import KVIndex  # noqa: E402
+from hmakv.kvlog.answers import WorkerHit  # noqa: E402
 from hmakv.kvlog.records import EventRecord  # noqa: E402
 from hmakv.producer.events import (  # noqa: E402
     BlockRemoved,
@@ -53,6 +66,13 @@ from hmakv.producer.events import (  # noqa: E402
     GroupSpec,
     KVEvent,
 )
+
+try:  # the bench extra: NVIDIA Dynamo's indexer, for (d)
+    from dynamo._core import RadixTree as DynamoTree
+except ImportError:  # without it, (d) is skipped with one line
+    DYNAMO = False
+else:
+    DYNAMO = True
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "index.json"
 SEED = 20261129
@@ -63,6 +83,9 @@ GROUPS = {
     2: GroupSpec("sliding_window", BLOCK, sliding_window=64),
 }
 TARGETS = {"apply_updates_per_s": 2_000_000, "score_p99_us": 200, "bytes_per_entry": 16}
+FULL_ATTENTION = 0  # the only group Dynamo's router keeps: it drops every other group's events
+SHARES = (("shared_90pct", 0.9), ("unshared", 0.0))  # memory: a fleet sharing most blocks, none
+Item = TypeVar("Item")
 
 
 @dataclass(frozen=True)
@@ -73,10 +96,11 @@ class Sizes:
     score_calls: int
     memory_workers: int
     memory_blocks_per_worker: int
+    answer_queries: int
 
 
-FULL = Sizes(64, 60, 3, 3000, 64, 50_000)
-QUICK = Sizes(16, 20, 2, 500, 16, 20_000)
+FULL = Sizes(64, 60, 3, 3000, 64, 50_000, 500)
+QUICK = Sizes(16, 20, 2, 500, 16, 20_000, 200)
 FULL_MEMORY_BLOCKS = 200_000
 
 
@@ -84,14 +108,88 @@ def random_hash(rng: random.Random) -> int:
     return rng.getrandbits(64)
 
 
+# --- Dynamo's side --------------------------------------------------------------------------------
+
+_json = msgspec.json.Encoder()
+
+
+def worker_id(name: str) -> int:
+    """Dynamo's worker id for a synthetic worker's name (``worker-<n>``)."""
+    return int(name.removeprefix("worker-"))
+
+
+def dynamo_event(seq: int, event: KVEvent) -> bytes:
+    """One event as ``RadixTree.apply_event`` reads it: dynamo-kv-router's ``KvCacheEvent``, JSON.
+
+    Dynamo's tree keys a block by its tokens hash (``LocalBlockHash``: its router hashes the
+    block's token ids) and names it by the engine's hash. The synthetic engine has no tokens and
+    each of its hashes names one position of one chain, so both are the engine's hash, and
+    queries ask with the same hashes.
+    """
+    data: dict[str, Any] | str
+    if isinstance(event, BlockStored):
+        blocks = [{"block_hash": h, "tokens_hash": h} for h in event.block_hashes]
+        data = {"stored": {"parent_hash": event.parent_block_hash, "blocks": blocks}}
+    elif isinstance(event, BlockRemoved):
+        data = {"removed": {"block_hashes": event.block_hashes}}
+    else:
+        data = "cleared"
+    return _json.encode({"event_id": seq, "data": data})
+
+
+def dynamo_events(records: list[EventRecord]) -> list[tuple[int, bytes]]:
+    """The full-attention records' events, each as Dynamo's (worker id, JSON event)."""
+    return [
+        (worker_id(r.worker), dynamo_event(r.seq, e))
+        for r in records
+        if r.group_idx == FULL_ATTENTION
+        for e in r.events
+    ]
+
+
+class DynamoSide:
+    """NVIDIA Dynamo's indexer through its Python binding, ``dynamo._core.RadixTree``."""
+
+    def __init__(self) -> None:
+        self.tree = DynamoTree()
+        self.refused = 0  # events its tree refused (a parent or a removed block it does not hold)
+
+    @classmethod
+    def following(cls, records: list[EventRecord]) -> DynamoSide:
+        side = cls()
+        for event in dynamo_events(records):
+            side.apply(event)
+        return side
+
+    def apply(self, event: tuple[int, bytes]) -> None:
+        try:
+            self.tree.apply_event(*event)
+        except RuntimeError:
+            self.refused += 1
+
+    def overlaps(self, prompt: list[int]) -> dict[int, int]:
+        """Worker id -> blocks of the prompt's prefix it holds (workers holding none left out)."""
+        # The 1.6.1 stub says int keys; the binding gives (worker_id, dp_rank).
+        scores = cast(dict[tuple[int, int], int], self.tree.find_matches(prompt).scores)
+        return {worker: blocks for (worker, _rank), blocks in scores.items()}
+
+
+def index_blocks(index: KVIndex, prompt: list[int]) -> dict[int, int]:
+    """The index's hit alone as Dynamo answers: worker id -> hit blocks (none: left out)."""
+    hits = index.score(prompt, len(prompt) * BLOCK + 1, details=False)
+    return {worker_id(h.worker): h.hit_tokens // BLOCK for h in hits if h.hit_tokens}
+
+
 # --- (a) apply ------------------------------------------------------------------------------------
 
 
-def store(hashes: Sequence[ExternalBlockHash], group: int) -> BlockStored:
+def store(
+    hashes: Sequence[ExternalBlockHash], group: int, parent: ExternalBlockHash | None = None
+) -> BlockStored:
     spec = GROUPS[group]
     return BlockStored(
         list(hashes),
-        None,
+        parent,
         [],
         BLOCK,
         None,
@@ -105,13 +203,18 @@ def store(hashes: Sequence[ExternalBlockHash], group: int) -> BlockStored:
 
 
 class EngineCache:
-    """One worker's cache as the synthetic engine keeps it: FIFO eviction per group."""
+    """One worker's cache as the synthetic engine keeps it, per group in vLLM's eviction order.
+
+    vLLM frees a finished request's blocks tail first onto its free queue and evicts from the
+    queue's head; a block is touched by every request through it, after the blocks it leads to.
+    So what a request finds cached is a prefix of it, and what it stores is the rest, one chain
+    under the last block found.
+    """
 
     def __init__(self, name: str, full_capacity: int, window_capacity: int) -> None:
         self.name = name
         self.capacity = {0: full_capacity, 1: window_capacity, 2: window_capacity}
-        self.held: dict[int, deque[int]] = {g: deque() for g in GROUPS}
-        self.members: dict[int, set[int]] = {g: set() for g in GROUPS}
+        self.held: dict[int, OrderedDict[int, None]] = {g: OrderedDict() for g in GROUPS}
         self.seq = {g: 0 for g in GROUPS}
 
     def record(self, group: int, event: KVEvent) -> EventRecord:
@@ -121,31 +224,47 @@ class EngineCache:
     def serve(self, request: list[int]) -> Iterator[EventRecord]:
         """Store what the request computed in every group, then evict past capacity."""
         for group in GROUPS:
-            held, members = self.held[group], self.members[group]
-            new = [h for h in request if h not in members]
+            held = self.held[group]
+            found = 0
+            while found < len(request) and request[found] in held:
+                found += 1
+            new = request[found:]
+            for block in reversed(request):  # freed tail first: the tail is evicted first
+                held[block] = None
+                held.move_to_end(block)
             if new:
-                held.extend(new)
-                members.update(new)
-                yield self.record(group, store(new, group))
+                parent = request[found - 1] if found else None
+                yield self.record(group, store(new, group, parent))
             excess = len(held) - self.capacity[group]
             if excess > 0:
-                evicted: list[ExternalBlockHash] = [held.popleft() for _ in range(excess)]
-                members.difference_update(evicted)
+                evicted: list[ExternalBlockHash] = [
+                    held.popitem(last=False)[0] for _ in range(excess)
+                ]
                 yield self.record(group, BlockRemoved(evicted, "GPU", group))
 
 
-def fleet_records(sizes: Sizes, rng: random.Random) -> list[EventRecord]:
+@dataclass(frozen=True)
+class Stream:
+    """The fleet's records in log order, and every request served (the answers' queries)."""
+
+    records: list[EventRecord]
+    requests: list[list[int]]
+
+
+def fleet(sizes: Sizes, rng: random.Random) -> Stream:
     system_prompts = [[random_hash(rng) for _ in range(64)] for _ in range(32)]
     records: list[EventRecord] = []
+    requests: list[list[int]] = []
     for w in range(sizes.workers):
         cache = EngineCache(f"worker-{w}", full_capacity=4096, window_capacity=1024)
         for _ in range(sizes.requests_per_worker):
             prefix = system_prompts[min(int(rng.expovariate(0.2)), 31)]
             suffix = [random_hash(rng) for _ in range(rng.randint(32, 128))]
-            records.extend(cache.serve(prefix + suffix))
+            requests.append(prefix + suffix)
+            records.extend(cache.serve(requests[-1]))
     rng.shuffle(records)  # workers interleave on the log...
     records.sort(key=lambda r: (r.worker, r.group_idx, r.seq))  # ...but each keeps its order
-    return records
+    return Stream(records, requests)
 
 
 class DictOfSets:
@@ -177,31 +296,41 @@ def updates_in(records: list[EventRecord]) -> int:
     )
 
 
-def time_apply(
-    make: Callable[[], Callable[[EventRecord], object]], records: list[EventRecord]
-) -> float:
-    apply = make()
+def time_apply(apply: Callable[[Item], object], items: list[Item]) -> float:
     gc.collect()
     start = time.perf_counter()
-    for record in records:
-        apply(record)
+    for item in items:
+        apply(item)
     return time.perf_counter() - start
 
 
-def bench_apply(sizes: Sizes, rng: random.Random) -> dict[str, float]:
-    records = fleet_records(sizes, rng)
+def bench_apply(stream: Stream, repeats: int) -> dict[str, float]:
+    records = stream.records
+    full = [r for r in records if r.group_idx == FULL_ATTENTION]
+    # name -> (a fresh state, what it applies, block updates in that)
     updates = updates_in(records)
-    index_s: list[float] = []
-    sets_s: list[float] = []
-    for _ in range(sizes.apply_repeats):  # interleaved, so a noisy machine slows both alike
-        index_s.append(time_apply(lambda: KVIndex().apply, records))
-        sets_s.append(time_apply(lambda: DictOfSets().apply, records))
-    return {
-        "records": len(records),
-        "block_updates": updates,
-        "index_updates_per_s": updates / statistics.median(index_s),
-        "dict_of_sets_updates_per_s": updates / statistics.median(sets_s),
+    sides: dict[str, tuple[Callable[[], Any], list[Any], int]] = {
+        "index": (KVIndex, records, updates),
+        "dict_of_sets": (DictOfSets, records, updates),
     }
+    if DYNAMO:  # the same block ops, the full-attention group's, for the index and for Dynamo
+        sides["index_full_attention"] = (KVIndex, full, updates_in(full))
+        sides["dynamo"] = (DynamoSide, dynamo_events(full), updates_in(full))
+    seconds: dict[str, list[float]] = defaultdict(list)
+    last: dict[str, Any] = {}
+    for _ in range(repeats):  # interleaved, so a noisy machine slows every side alike
+        for name, (make, items, _updates) in sides.items():
+            last[name] = make()
+            seconds[name].append(time_apply(last[name].apply, items))
+    out = {
+        f"{name}_updates_per_s": sides[name][2] / statistics.median(s)
+        for name, s in seconds.items()
+    }
+    out["records"], out["block_updates"] = len(records), updates
+    if DYNAMO:
+        out["full_attention_block_updates"] = sides["dynamo"][2]
+        out["dynamo_refused_events"] = last["dynamo"].refused
+    return out
 
 
 # --- (b) score ------------------------------------------------------------------------------------
@@ -237,45 +366,47 @@ def percentiles_us(samples: list[float]) -> tuple[float, float]:
     )
 
 
-def bench_score(sizes: Sizes, rng: random.Random) -> dict[str, float]:
-    index, sets = KVIndex(), DictOfSets()
-    for record in fleet_records(sizes, rng):  # realistic dict sizes around the prompts
-        index.apply(record)
-        sets.apply(record)
+def score_state(
+    sizes: Sizes, rng: random.Random
+) -> tuple[KVIndex, DictOfSets, list[EventRecord], dict[str, list[int]]]:
+    """The fleet's state (realistic dict sizes around the prompts) and the two 512-block prompts:
+    the whole prompt cached on 48 of 64 workers, its first half on 8 more, and a fork of it."""
+    records = fleet(sizes, rng).records
     prompt = [random_hash(rng) for _ in range(512)]
     fork = prompt[:256] + [random_hash(rng) for _ in range(256)]
-    workers = [f"worker-{w}" for w in range(64)]
-    for w, worker in enumerate(workers):
+    for w in range(64):
         held = prompt if w < 48 else prompt[:256] if w < 56 else []
         for group in GROUPS:
-            record = EventRecord(worker, 0, 10**6, 0.0, group, [store(held, group)])
-            index.apply(record)
-            sets.apply(record)
-    tokens = 512 * BLOCK + 1
-    assert [s.hit_tokens for s in index.score(prompt, tokens)][:48] == [512 * BLOCK] * 48
-    assert hybrid_per_worker(sets.sets, workers, prompt, tokens)["worker-0"] == 512 * BLOCK
-    gc.collect()
-    gc.freeze()  # what a long-running scorer does once its state is loaded
-    # (prompt, details) -> seconds per call, back to back; then each after a loop call, whose
-    # memory traffic leaves the index's entries out of the CPU caches (the worst case).
+            records.append(EventRecord(f"worker-{w}", 0, 10**6, 0.0, group, [store(held, group)]))
+    index, sets = KVIndex(), DictOfSets()
+    for record in records:
+        index.apply(record)
+        sets.apply(record)
+    return index, sets, records, {"whole": prompt, "fork": fork}
+
+
+def time_index_scores(
+    index: KVIndex, sets: DictOfSets, prompts: dict[str, list[int]], calls: int, tokens: int
+) -> dict[str, float]:
+    """(prompt, details) back to back; then the whole prompt after each per-worker loop call,
+    whose memory traffic leaves the index's entries out of the CPU caches (the worst case)."""
+    workers = [f"worker-{w}" for w in range(64)]
     warm: dict[tuple[str, bool], list[float]] = defaultdict(list)
     cold: list[float] = []
     loop_samples: list[float] = []
-    prompts = {"whole": prompt, "fork": fork}
-    for call in range(sizes.score_calls):
+    for call in range(calls):
         name = "whole" if call % 2 else "fork"
         details = call // 2 % 2 == 0  # both prompts, both answers, in turn
         start = time.perf_counter()
         index.score(prompts[name], tokens, details=details)
         warm[(name, details)].append(time.perf_counter() - start)
-    for _ in range(sizes.score_calls // 2):
+    for _ in range(calls // 2):
         start = time.perf_counter()
-        hybrid_per_worker(sets.sets, workers, prompt, tokens)
+        hybrid_per_worker(sets.sets, workers, prompts["whole"], tokens)
         loop_samples.append(time.perf_counter() - start)
         start = time.perf_counter()
-        index.score(prompt, tokens)
+        index.score(prompts["whole"], tokens)
         cold.append(time.perf_counter() - start)
-    gc.unfreeze()
     results: dict[str, float] = {}
     for (name, details), samples in warm.items():
         label = f"index_{name}{'' if details else '_hit_only'}"
@@ -283,6 +414,43 @@ def bench_score(sizes: Sizes, rng: random.Random) -> dict[str, float]:
     results["index_whole_cold_p50_us"], results["index_whole_cold_p99_us"] = percentiles_us(cold)
     loop_p50, loop_p99 = percentiles_us(loop_samples)
     results["per_worker_loop_p50_us"], results["per_worker_loop_p99_us"] = loop_p50, loop_p99
+    return results
+
+
+def time_dynamo_scores(
+    dynamo: DynamoSide, prompts: dict[str, list[int]], calls: int
+) -> dict[str, float]:
+    """``find_matches`` for each prompt in turn, back to back, its answer read (``.scores``)."""
+    find = dynamo.tree.find_matches
+    samples: dict[str, list[float]] = defaultdict(list)
+    for call in range(calls):
+        name = "whole" if call % 2 else "fork"
+        start = time.perf_counter()
+        _ = find(prompts[name]).scores
+        samples[name].append(time.perf_counter() - start)
+    results: dict[str, float] = {}
+    for name, times in samples.items():
+        results[f"dynamo_{name}_p50_us"], results[f"dynamo_{name}_p99_us"] = percentiles_us(times)
+    return results
+
+
+def bench_score(sizes: Sizes, rng: random.Random) -> dict[str, float]:
+    index, sets, records, prompts = score_state(sizes, rng)
+    tokens = 512 * BLOCK + 1
+    assert [s.hit_tokens for s in index.score(prompts["whole"], tokens)][:48] == [512 * BLOCK] * 48
+    workers = [f"worker-{w}" for w in range(64)]
+    assert (
+        hybrid_per_worker(sets.sets, workers, prompts["whole"], tokens)["worker-0"] == 512 * BLOCK
+    )
+    dynamo = DynamoSide.following(records) if DYNAMO else None
+    for prompt in prompts.values():  # every group holds the prompts: the answers must agree
+        assert dynamo is None or dynamo.overlaps(prompt) == index_blocks(index, prompt)
+    gc.collect()
+    gc.freeze()  # what a long-running scorer does once its state is loaded
+    results = time_index_scores(index, sets, prompts, sizes.score_calls, tokens)
+    if dynamo is not None:
+        results |= time_dynamo_scores(dynamo, prompts, sizes.score_calls)
+    gc.unfreeze()
     return results
 
 
@@ -327,7 +495,7 @@ def build_state(
 
 def bench_memory(sizes: Sizes) -> dict[str, float]:
     out: dict[str, float] = {}
-    for label, share in (("shared_90pct", 0.9), ("unshared", 0.0)):
+    for label, share in SHARES:
         for name, make in (("index", KVIndex), ("dict_of_sets", DictOfSets)):
             traced, entries, state = build_state(sizes, share, make, SEED)
             out[f"{name}_{label}_bytes_per_entry"] = traced / entries
@@ -337,11 +505,157 @@ def bench_memory(sizes: Sizes) -> dict[str, float]:
     return out
 
 
+# --- (d) beside Dynamo ----------------------------------------------------------------------------
+
+ANSWER_COUNTS = (
+    "queries",
+    "pairs",  # (query, worker)
+    "equal",
+    "dynamo_over",
+    "dynamo_under",
+    "queries_differing",  # some worker's answers differ
+    "queries_misrouted",  # none of Dynamo's best workers has the best HMA hit
+    "differs_from_full_attention",  # pairs where Dynamo is not the index's full-attention hit
+)
+CHAIN = 128  # blocks per chain in the RSS state: a document, a conversation
+RSS_SIDES = ("index", "index_full_attention", "dynamo")
+
+
+def compare_answers(hits: list[WorkerHit], overlaps: dict[int, int]) -> Counter[str]:
+    """One query: Dynamo's overlap against each worker's HMA hit and full-attention hit, in
+    blocks, and whether a worker Dynamo ranks best holds the best HMA hit."""
+    counts: Counter[str] = Counter(queries=1, pairs=len(hits))
+    hma = {worker_id(h.worker): h.hit_tokens // BLOCK for h in hits}
+    for hit in hits:
+        worker, full = worker_id(hit.worker), hit.group_hit_tokens[FULL_ATTENTION] // BLOCK
+        dynamo = overlaps.get(worker, 0)
+        if dynamo != hma[worker]:
+            counts["dynamo_over" if dynamo > hma[worker] else "dynamo_under"] += 1
+        counts["differs_from_full_attention"] += dynamo != full
+    counts["equal"] = len(hits) - counts["dynamo_over"] - counts["dynamo_under"]
+    counts["queries_differing"] = counts["equal"] < len(hits)
+    best = max(overlaps.values(), default=0)
+    picks = [w for w in hma if overlaps.get(w, 0) == best]
+    counts["queries_misrouted"] = max(hma[w] for w in picks) < max(hma.values())
+    return counts
+
+
+def bench_answers(stream: Stream, queries: int, rng: random.Random) -> dict[str, float]:
+    """Dynamo's answers against the index's on the hybrid stream, for requests served earlier.
+
+    Dynamo keeps only the full-attention group, so it over-predicts where a window's blocks were
+    evicted; against the index's full-attention group alone it must agree.
+    """
+    index = KVIndex()
+    for record in stream.records:
+        index.apply(record)
+    dynamo = DynamoSide.following(stream.records)
+    counts: Counter[str] = Counter()
+    for prompt in rng.sample(stream.requests, min(queries, len(stream.requests))):
+        hits = index.score(prompt, len(prompt) * BLOCK + 1)  # + 1: the whole prompt may hit
+        counts.update(compare_answers(hits, dynamo.overlaps(prompt)))
+    return {**{key: counts[key] for key in ANSWER_COUNTS}, "dynamo_refused_events": dynamo.refused}
+
+
+def worker_chains(workers: int, entries: int, share: float, seed: int) -> list[bytes]:
+    """Each worker's full-attention chains (msgpack): a share of them whole from a fleet-wide
+    pool, so that shared blocks share their parents as prefixes do, the rest its own. Each worker
+    holds entries / 2 full-attention blocks, and each window group every chain's last half."""
+    rng = random.Random(seed)
+    count = entries // 2 // CHAIN
+    pool = [[random_hash(rng) for _ in range(CHAIN)] for _ in range(count)]
+    shared = int(count * share)
+    encoder = msgspec.msgpack.Encoder()
+    return [
+        encoder.encode(
+            rng.sample(pool, shared)
+            + [[random_hash(rng) for _ in range(CHAIN)] for _ in range(count - shared)]
+        )
+        for _ in range(workers)
+    ]
+
+
+def resident_bytes() -> int:
+    """This process's resident set once freed heap is handed back (gc, glibc's malloc_trim)."""
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def chain_record(worker: int, chains: list[list[int]], group: int) -> EventRecord:
+    """One record storing the chains in a group: whole in full attention, the last half (under
+    the first half's last block) in a window."""
+    half = CHAIN // 2
+    stores: list[KVEvent] = [
+        store(chain, group)
+        if group == FULL_ATTENTION
+        else store(chain[half:], group, chain[half - 1])
+        for chain in chains
+    ]
+    return EventRecord(f"worker-{worker}", 0, 1, 0.0, group, stores)
+
+
+def apply_record(state: KVIndex | DynamoSide, record: EventRecord) -> None:
+    if isinstance(state, DynamoSide):
+        for event in dynamo_events([record]):
+            state.apply(event)
+    else:
+        state.apply(record)
+
+
+def rss_probe(side: str, workers: int, entries: int, share: float) -> int:
+    """The resident bytes one side's state adds to this process (a fresh one per side), with
+    hashes decoded per worker and group as records bring them; inputs are made beforehand."""
+    inputs = worker_chains(workers, entries, share, SEED)
+    decoder = msgspec.msgpack.Decoder(list[list[int]])
+    groups = list(GROUPS) if side == "index" else [FULL_ATTENTION]
+    state: KVIndex | DynamoSide = DynamoSide() if side == "dynamo" else KVIndex()
+    before = resident_bytes()
+    for w, blob in enumerate(inputs):
+        for group in groups:
+            apply_record(state, chain_record(w, decoder.decode(blob), group))
+    return resident_bytes() - before
+
+
+def bench_memory_rss(sizes: Sizes) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for label, share in SHARES:
+        for side in RSS_SIDES:
+            spec = [
+                side,
+                str(sizes.memory_workers),
+                str(sizes.memory_blocks_per_worker),
+                str(share),
+            ]
+            run = subprocess.run(
+                [sys.executable, __file__, "--rss-probe", *spec],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
+            if run.returncode:
+                raise RuntimeError(f"the {side} RSS probe failed: {run.stderr}")
+            out[f"{side}_{label}_rss_bytes"] = int(run.stdout.splitlines()[-1])
+    per_worker = sizes.memory_blocks_per_worker // 2 // CHAIN * CHAIN
+    out["full_attention_entries"] = sizes.memory_workers * per_worker
+    return out
+
+
 # --- report ---------------------------------------------------------------------------------------
+
+DYNAMO_SKIPPED = "dynamo: skipped, the bench extra is not installed (pip install -e '.[bench]')"
 
 
 def _pair(results: dict[str, float], label: str) -> str:
     return f"{results[f'{label}_p50_us']:.0f} / {results[f'{label}_p99_us']:.0f}"
+
+
+def _layout(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
 
 
 def table(results: dict[str, dict[str, float]]) -> str:
@@ -366,7 +680,7 @@ def table(results: dict[str, dict[str, float]]) -> str:
         ("  whole, right after a loop call", _pair(b, "index_whole_cold"), "", ""),
         (f"memory, bytes/entry ({c['entries']:,.0f} entries)", "index", "dict of sets", ""),
     ]
-    for label in ("shared_90pct", "unshared"):
+    for label, _share in SHARES:
         rows.append(
             (
                 f"  {label}",
@@ -375,13 +689,81 @@ def table(results: dict[str, dict[str, float]]) -> str:
                 f"<= {TARGETS['bytes_per_entry']}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
+    return _layout(rows)
+
+
+def vs_dynamo(results: dict[str, dict[str, float]]) -> dict[str, float]:
+    """index / Dynamo: above 1 the index applies faster; below 1 it answers sooner, in less."""
+    a, b, m = results["apply"], results["score"], results["memory_rss"]
+    ratios = {"apply": a["index_full_attention_updates_per_s"] / a["dynamo_updates_per_s"]}
+    for prompt in ("whole", "fork"):
+        for q in ("p50", "p99"):
+            index, dynamo = b[f"index_{prompt}_hit_only_{q}_us"], b[f"dynamo_{prompt}_{q}_us"]
+            ratios[f"score_{prompt}_{q}"] = index / dynamo
+    for label, _share in SHARES:
+        index, dynamo = m[f"index_full_attention_{label}_rss_bytes"], m[f"dynamo_{label}_rss_bytes"]
+        ratios[f"memory_{label}"] = index / dynamo
+    return ratios
+
+
+def _per_entry(m: dict[str, float], side: str, label: str) -> str:
+    return f"{m[f'{side}_{label}_rss_bytes'] / m['full_attention_entries']:.1f}"
+
+
+def dynamo_table(results: dict[str, dict[str, float]]) -> str:
+    a, b, m, r = results["apply"], results["score"], results["memory_rss"], results["vs_dynamo"]
+    rows = [
+        ("beside Dynamo 1.6.1 (its Python binding)", "index", "Dynamo", "index / Dynamo"),
+        (
+            "apply, block ops/s, full attention",
+            f"{a['index_full_attention_updates_per_s']:,.0f}",
+            f"{a['dynamo_updates_per_s']:,.0f}",
+            f"{r['apply']:.2f}",
+        ),
+        ("apply, block ops/s, all 3 groups", f"{a['index_updates_per_s']:,.0f}", "", ""),
+        ("hit only, 512 blocks x 64 workers, p50/p99 us", "", "", ""),
+    ]
+    for prompt, label in (("whole", "  whole prompt cached on 48"), ("fork", "  a fork")):
+        ratio = f"{r[f'score_{prompt}_p50']:.2f} / {r[f'score_{prompt}_p99']:.2f}"
+        rows.append(
+            (label, _pair(b, f"index_{prompt}_hit_only"), _pair(b, f"dynamo_{prompt}"), ratio)
+        )
+    entries = m["full_attention_entries"]
+    rows.append((f"memory, RSS bytes per full-attention entry ({entries:,.0f})", "", "", ""))
+    for label, _share in SHARES:
+        index, dynamo = _per_entry(m, "index_full_attention", label), _per_entry(m, "dynamo", label)
+        rows.append((f"  {label}, full attention", index, dynamo, f"{r[f'memory_{label}']:.2f}"))
+        rows.append((f"  {label}, all 3 groups", _per_entry(m, "index", label), "", ""))
+    return _layout(rows) + "\n" + answers_line(results["answers"])
+
+
+def answers_line(q: dict[str, float]) -> str:
+    return (
+        f"answers on the hybrid stream, {q['queries']:.0f} requests served earlier x "
+        f"{q['pairs'] / q['queries']:.0f} workers: Dynamo's overlap is the HMA hit on "
+        f"{q['equal']:,.0f} pairs, over it on {q['dynamo_over']:,.0f}, under it on "
+        f"{q['dynamo_under']:,.0f} ({q['queries_differing']:.0f} queries differ; on "
+        f"{q['queries_misrouted']:.0f} no worker Dynamo ranks best has the best hit); "
+        f"it differs from the index's full-attention hit on {q['differs_from_full_attention']:.0f}."
+        "\nDynamo keeps only full-attention groups, so it over-predicts where a window's blocks"
+        " were evicted."
     )
 
 
-def main() -> None:
+def sections(sizes: Sizes) -> dict[str, Callable[[], dict[str, float]]]:
+    stream = fleet(sizes, random.Random(SEED))
+    runs: dict[str, Callable[[], dict[str, float]]] = {
+        "apply": lambda: bench_apply(stream, sizes.apply_repeats),
+        "score": lambda: bench_score(sizes, random.Random(SEED + 1)),
+        "memory": lambda: bench_memory(sizes),
+    }
+    if DYNAMO:
+        runs["answers"] = lambda: bench_answers(stream, sizes.answer_queries, random.Random(SEED))
+        runs["memory_rss"] = lambda: bench_memory_rss(sizes)
+    return runs
+
+
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"default {DEFAULT_JSON}")
     parser.add_argument("--quick", action="store_true", help="smaller fleet, for a smoke run")
@@ -390,21 +772,30 @@ def main() -> None:
         action="store_true",
         help=f"memory at {FULL_MEMORY_BLOCKS:,} entries per worker (minutes under tracemalloc)",
     )
-    args = parser.parse_args()
+    # (d)'s memory: one side's state in this fresh process; prints the resident bytes it adds.
+    parser.add_argument(
+        "--rss-probe", nargs=4, metavar=("SIDE", "W", "N", "SHARE"), help=argparse.SUPPRESS
+    )
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
+    if args.rss_probe:
+        side, workers, entries, share = args.rss_probe
+        print(rss_probe(side, int(workers), int(entries), float(share)))
+        return
     sizes = QUICK if args.quick else FULL
     if args.full_memory:
         sizes = dataclasses.replace(sizes, memory_blocks_per_worker=FULL_MEMORY_BLOCKS)
     started = time.perf_counter()
     results: dict[str, dict[str, float]] = {}
-    sections: tuple[tuple[str, Callable[[], dict[str, float]]], ...] = (
-        ("apply", lambda: bench_apply(sizes, random.Random(SEED))),
-        ("score", lambda: bench_score(sizes, random.Random(SEED + 1))),
-        ("memory", lambda: bench_memory(sizes)),
-    )
-    for name, run in sections:
+    for name, run in sections(sizes).items():
         section_started = time.perf_counter()
         results[name] = run()
         results[name]["seconds"] = time.perf_counter() - section_started
+    if DYNAMO:
+        results["vs_dynamo"] = vs_dynamo(results)
     report = {
         "benchmark": "index",
         "quick": args.quick,
@@ -416,6 +807,7 @@ def main() -> None:
         **results,
     }
     print(table(results))
+    print("\n" + (dynamo_table(results) if DYNAMO else DYNAMO_SKIPPED))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.json} in {report['seconds']:.0f} s")
