@@ -26,7 +26,11 @@
     answers differ on the hybrid stream: Dynamo's overlap against the index's HMA hit per worker
     for requests served earlier.
 
-    python benchmarks/index.py [--json PATH] [--quick] [--full-memory]
+    --native adds Dynamo's native tree (benchmarks/dynamo_native: the crate dynamo-kv-router
+    1.6.1, built with cargo; skipped with one line without cargo or when the build fails): the
+    same events and prompts, from a file, timed in Rust.
+
+    python benchmarks/index.py [--json PATH] [--quick] [--full-memory] [--native]
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections import Counter, OrderedDict, defaultdict
@@ -366,11 +372,11 @@ def percentiles_us(samples: list[float]) -> tuple[float, float]:
     )
 
 
-def score_state(
+def score_records(
     sizes: Sizes, rng: random.Random
-) -> tuple[KVIndex, DictOfSets, list[EventRecord], dict[str, list[int]]]:
-    """The fleet's state (realistic dict sizes around the prompts) and the two 512-block prompts:
-    the whole prompt cached on 48 of 64 workers, its first half on 8 more, and a fork of it."""
+) -> tuple[list[EventRecord], dict[str, list[int]]]:
+    """The fleet's records (realistic dict sizes around the prompts) and the two 512-block
+    prompts: the whole prompt cached on 48 of 64 workers, its first half on 8 more, a fork."""
     records = fleet(sizes, rng).records
     prompt = [random_hash(rng) for _ in range(512)]
     fork = prompt[:256] + [random_hash(rng) for _ in range(256)]
@@ -378,11 +384,18 @@ def score_state(
         held = prompt if w < 48 else prompt[:256] if w < 56 else []
         for group in GROUPS:
             records.append(EventRecord(f"worker-{w}", 0, 10**6, 0.0, group, [store(held, group)]))
+    return records, {"whole": prompt, "fork": fork}
+
+
+def score_state(
+    sizes: Sizes, rng: random.Random
+) -> tuple[KVIndex, DictOfSets, list[EventRecord], dict[str, list[int]]]:
+    records, prompts = score_records(sizes, rng)
     index, sets = KVIndex(), DictOfSets()
     for record in records:
         index.apply(record)
         sets.apply(record)
-    return index, sets, records, {"whole": prompt, "fork": fork}
+    return index, sets, records, prompts
 
 
 def time_index_scores(
@@ -641,13 +654,91 @@ def bench_memory_rss(sizes: Sizes) -> dict[str, float]:
     return out
 
 
+NATIVE = Path(__file__).parent / "dynamo_native"  # the Rust side: Cargo.toml, src/main.rs
+
+
+class NativeSkipped(Exception):
+    """Why --native measures nothing: one line for the report."""
+
+
+def build_native() -> Path:
+    """``cargo build --release`` of the native benchmark (a minute the first time)."""
+    cargo = shutil.which("cargo")
+    if cargo is None:
+        raise NativeSkipped("dynamo native: skipped, cargo is not installed (https://rustup.rs)")
+    manifest = str(NATIVE / "Cargo.toml")
+    build = subprocess.run(
+        [cargo, "build", "--release", "--quiet", "--manifest-path", manifest],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    if build.returncode:
+        raise NativeSkipped(f"dynamo native: skipped, cargo build failed: {_last(build.stderr)}")
+    return NATIVE / "target" / "release" / "dynamo-native-bench"
+
+
+def _last(stderr: str) -> str:
+    return (stderr.strip().splitlines() or ["(no output)"])[-1]
+
+
+def _json_events(records: list[EventRecord]) -> bytes:
+    return b"[" + b",".join(b"[%d,%s]" % item for item in dynamo_events(records)) + b"]"
+
+
+def native_input(
+    stream: Stream, sizes: Sizes, score: list[EventRecord], prompts: dict[str, list[int]]
+) -> bytes:
+    """What the native side reads: (a)'s stream and (b)'s state, as the binding's JSON events."""
+    return b'{"repeats":%d,"calls":%d,"apply":%s,"score_state":%s,"prompts":%s}' % (
+        sizes.apply_repeats,
+        sizes.score_calls,
+        _json_events(stream.records),
+        _json_events(score),
+        _json.encode(prompts),
+    )
+
+
+def bench_native(stream: Stream, sizes: Sizes, binary: Path) -> dict[str, float]:
+    """Dynamo's native tree on (a)'s stream and (b)'s prompts, in its own process; its answers
+    for the prompts must be the index's."""
+    records, prompts = score_records(sizes, random.Random(SEED + 1))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "input.json"
+        path.write_bytes(native_input(stream, sizes, records, prompts))
+        run = subprocess.run([binary, path], capture_output=True, text=True, timeout=3600)
+    if run.returncode:
+        raise RuntimeError(f"the native benchmark failed: {run.stderr}")
+    native = json.loads(run.stdout)
+    index = KVIndex()
+    for record in records:
+        index.apply(record)
+    for name, prompt in prompts.items():
+        answers = {int(worker): blocks for worker, blocks in native["overlaps"][name].items()}
+        assert answers == index_blocks(index, prompt), name
+    full = [r for r in stream.records if r.group_idx == FULL_ATTENTION]
+    results = {
+        "dynamo_native_updates_per_s": updates_in(full)
+        / statistics.median(native["apply_seconds"]),
+        "dynamo_native_refused_events": native["refused"],
+    }
+    for name, samples in native["score_seconds"].items():
+        p50, p99 = percentiles_us(samples)
+        results[f"dynamo_native_{name}_p50_us"], results[f"dynamo_native_{name}_p99_us"] = p50, p99
+    return results
+
+
 # --- report ---------------------------------------------------------------------------------------
 
 DYNAMO_SKIPPED = "dynamo: skipped, the bench extra is not installed (pip install -e '.[bench]')"
 
 
+def _us(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
 def _pair(results: dict[str, float], label: str) -> str:
-    return f"{results[f'{label}_p50_us']:.0f} / {results[f'{label}_p99_us']:.0f}"
+    return f"{_us(results[f'{label}_p50_us'])} / {_us(results[f'{label}_p99_us'])}"
 
 
 def _layout(rows: Sequence[tuple[str, ...]]) -> str:
@@ -692,17 +783,30 @@ def table(results: dict[str, dict[str, float]]) -> str:
     return _layout(rows)
 
 
-def vs_dynamo(results: dict[str, dict[str, float]]) -> dict[str, float]:
-    """index / Dynamo: above 1 the index applies faster; below 1 it answers sooner, in less."""
-    a, b, m = results["apply"], results["score"], results["memory_rss"]
-    ratios = {"apply": a["index_full_attention_updates_per_s"] / a["dynamo_updates_per_s"]}
+SIDE_NAMES = {"dynamo": "Dynamo (Python)", "dynamo_native": "Dynamo (native)"}
+
+
+def _flat(results: dict[str, dict[str, float]]) -> dict[str, float]:
+    return {**results["apply"], **results["score"], **results.get("native", {})}
+
+
+def vs(results: dict[str, dict[str, float]], side: str) -> dict[str, float]:
+    """index / a Dynamo side: above 1 the index applies faster; below 1 it answers sooner (and,
+    for the binding, whose RSS is its Rust tree's heap, in less memory)."""
+    flat = _flat(results)
+    ratios = {"apply": flat["index_full_attention_updates_per_s"] / flat[f"{side}_updates_per_s"]}
     for prompt in ("whole", "fork"):
         for q in ("p50", "p99"):
-            index, dynamo = b[f"index_{prompt}_hit_only_{q}_us"], b[f"dynamo_{prompt}_{q}_us"]
+            index, dynamo = flat[f"index_{prompt}_hit_only_{q}_us"], flat[f"{side}_{prompt}_{q}_us"]
             ratios[f"score_{prompt}_{q}"] = index / dynamo
-    for label, _share in SHARES:
-        index, dynamo = m[f"index_full_attention_{label}_rss_bytes"], m[f"dynamo_{label}_rss_bytes"]
-        ratios[f"memory_{label}"] = index / dynamo
+    if side == "dynamo":
+        m = results["memory_rss"]
+        for label, _share in SHARES:
+            index, dynamo = (
+                m[f"index_full_attention_{label}_rss_bytes"],
+                m[f"dynamo_{label}_rss_bytes"],
+            )
+            ratios[f"memory_{label}"] = index / dynamo
     return ratios
 
 
@@ -711,29 +815,53 @@ def _per_entry(m: dict[str, float], side: str, label: str) -> str:
 
 
 def dynamo_table(results: dict[str, dict[str, float]]) -> str:
-    a, b, m, r = results["apply"], results["score"], results["memory_rss"], results["vs_dynamo"]
-    rows = [
-        ("beside Dynamo 1.6.1 (its Python binding)", "index", "Dynamo", "index / Dynamo"),
+    flat, m = _flat(results), results["memory_rss"]
+    sides = [side for side in SIDE_NAMES if f"vs_{side}" in results]
+    r = {side: results[f"vs_{side}"] for side in sides}
+    rest = ("",) * 2 * (len(sides) - 1)  # the native side has no memory figures
+    rows: list[tuple[str, ...]] = [
+        (
+            "beside Dynamo 1.6.1",
+            "index",
+            *(c for s in sides for c in (SIDE_NAMES[s], "index / it")),
+        ),
         (
             "apply, block ops/s, full attention",
-            f"{a['index_full_attention_updates_per_s']:,.0f}",
-            f"{a['dynamo_updates_per_s']:,.0f}",
-            f"{r['apply']:.2f}",
+            f"{flat['index_full_attention_updates_per_s']:,.0f}",
+            *(
+                c
+                for s in sides
+                for c in (f"{flat[f'{s}_updates_per_s']:,.0f}", f"{r[s]['apply']:.2f}")
+            ),
         ),
-        ("apply, block ops/s, all 3 groups", f"{a['index_updates_per_s']:,.0f}", "", ""),
-        ("hit only, 512 blocks x 64 workers, p50/p99 us", "", "", ""),
+        ("apply, block ops/s, all 3 groups", f"{flat['index_updates_per_s']:,.0f}", "", "", *rest),
+        ("hit only, 512 blocks x 64 workers, p50/p99 us", "", "", "", *rest),
     ]
     for prompt, label in (("whole", "  whole prompt cached on 48"), ("fork", "  a fork")):
-        ratio = f"{r[f'score_{prompt}_p50']:.2f} / {r[f'score_{prompt}_p99']:.2f}"
+        cells = [
+            (
+                _pair(flat, f"{s}_{prompt}"),
+                f"{r[s][f'score_{prompt}_p50']:.2f} / {r[s][f'score_{prompt}_p99']:.2f}",
+            )
+            for s in sides
+        ]
         rows.append(
-            (label, _pair(b, f"index_{prompt}_hit_only"), _pair(b, f"dynamo_{prompt}"), ratio)
+            (label, _pair(flat, f"index_{prompt}_hit_only"), *(c for cell in cells for c in cell))
         )
     entries = m["full_attention_entries"]
-    rows.append((f"memory, RSS bytes per full-attention entry ({entries:,.0f})", "", "", ""))
+    rows.append((f"memory, RSS bytes per full-attention entry ({entries:,.0f})", "", "", "", *rest))
     for label, _share in SHARES:
         index, dynamo = _per_entry(m, "index_full_attention", label), _per_entry(m, "dynamo", label)
-        rows.append((f"  {label}, full attention", index, dynamo, f"{r[f'memory_{label}']:.2f}"))
-        rows.append((f"  {label}, all 3 groups", _per_entry(m, "index", label), "", ""))
+        rows.append(
+            (
+                f"  {label}, full attention",
+                index,
+                dynamo,
+                f"{r['dynamo'][f'memory_{label}']:.2f}",
+                *rest,
+            )
+        )
+        rows.append((f"  {label}, all 3 groups", _per_entry(m, "index", label), "", "", *rest))
     return _layout(rows) + "\n" + answers_line(results["answers"])
 
 
@@ -750,13 +878,15 @@ def answers_line(q: dict[str, float]) -> str:
     )
 
 
-def sections(sizes: Sizes) -> dict[str, Callable[[], dict[str, float]]]:
+def sections(sizes: Sizes, native: Path | None) -> dict[str, Callable[[], dict[str, float]]]:
     stream = fleet(sizes, random.Random(SEED))
     runs: dict[str, Callable[[], dict[str, float]]] = {
         "apply": lambda: bench_apply(stream, sizes.apply_repeats),
         "score": lambda: bench_score(sizes, random.Random(SEED + 1)),
         "memory": lambda: bench_memory(sizes),
     }
+    if native is not None:
+        runs["native"] = lambda: bench_native(stream, sizes, native)
     if DYNAMO:
         runs["answers"] = lambda: bench_answers(stream, sizes.answer_queries, random.Random(SEED))
         runs["memory_rss"] = lambda: bench_memory_rss(sizes)
@@ -771,6 +901,11 @@ def arguments() -> argparse.Namespace:
         "--full-memory",
         action="store_true",
         help=f"memory at {FULL_MEMORY_BLOCKS:,} entries per worker (minutes under tracemalloc)",
+    )
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="(d) also natively: cargo build --release of benchmarks/dynamo_native, then its run",
     )
     # (d)'s memory: one side's state in this fresh process; prints the resident bytes it adds.
     parser.add_argument(
@@ -788,14 +923,21 @@ def main() -> None:
     sizes = QUICK if args.quick else FULL
     if args.full_memory:
         sizes = dataclasses.replace(sizes, memory_blocks_per_worker=FULL_MEMORY_BLOCKS)
+    native, native_skipped = None, ""
+    if DYNAMO and args.native:
+        try:
+            native = build_native()
+        except NativeSkipped as reason:
+            native_skipped = str(reason)
     started = time.perf_counter()
     results: dict[str, dict[str, float]] = {}
-    for name, run in sections(sizes).items():
+    for name, run in sections(sizes, native).items():
         section_started = time.perf_counter()
         results[name] = run()
         results[name]["seconds"] = time.perf_counter() - section_started
-    if DYNAMO:
-        results["vs_dynamo"] = vs_dynamo(results)
+    for side in SIDE_NAMES if DYNAMO else ():
+        if f"{side}_updates_per_s" in _flat(results):
+            results[f"vs_{side}"] = vs(results, side)
     report = {
         "benchmark": "index",
         "quick": args.quick,
@@ -808,6 +950,8 @@ def main() -> None:
     }
     print(table(results))
     print("\n" + (dynamo_table(results) if DYNAMO else DYNAMO_SKIPPED))
+    if native_skipped:
+        print(native_skipped)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.json} in {report['seconds']:.0f} s")
