@@ -50,7 +50,7 @@ import msgspec
 from hmakv.consumers import index_snapshot
 from hmakv.consumers.hit_rule import GroupRule, alignment, rule_for
 from hmakv.consumers.scoring import SPECULATIVE_MEDIUM, CatalogClass, Fleet, Roster, Scorer
-from hmakv.kvlog.answers import WorkerHit
+from hmakv.kvlog.answers import WorkerHit, speculative_hit
 from hmakv.kvlog.records import HEALTH_STATES, EventRecord, Health
 from hmakv.producer.events import (
     FULL_ATTENTION_KINDS,
@@ -700,8 +700,7 @@ class KVIndex:
         hits = self.score(keys, num_tokens, workers=[worker], details=False)
         if not hits:  # no catalog it can be scored by
             return 0
-        hit = hits[0]
-        return hit.hit_tokens if hit.speculative_hit_tokens is None else hit.speculative_hit_tokens
+        return speculative_hit(hits[0])
 
     def expire_speculation(self, now: float) -> int:
         """Drop the speculative blocks whose expiry is at or before ``now``; how many went.

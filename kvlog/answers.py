@@ -214,6 +214,12 @@ def _hma_rank(hit: WorkerHit) -> Rank:
     return speculative_score(hit), hit.weighted_tokens, hit.hit_tokens
 
 
+def speculative_hit(hit: WorkerHit) -> int:
+    """The hit with speculative blocks counted as held, or the plain one from an older index."""
+    speculative = hit.speculative_hit_tokens
+    return hit.hit_tokens if speculative is None else speculative
+
+
 def speculative_score(hit: WorkerHit) -> float:
     """The score with speculative blocks counted, or the plain one from an older index."""
     speculative = hit.speculative_weighted_tokens

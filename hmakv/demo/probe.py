@@ -44,10 +44,10 @@ from hmakv.demo.recordlog import RecordLog
 from hmakv.kvlog.answers import (
     Rank,
     ScoreResponse,
-    WorkerHit,
     WorkersResponse,
     WorkerView,
     best_worker,
+    speculative_hit,
 )
 from hmakv.routing.replay import RecordedPrompt
 
@@ -336,7 +336,7 @@ class Prober:
         if len(self.stats.traffic) < MAX_RECORDED_PROMPTS:
             self.stats.traffic.append(RecordedPrompt(self._clock(), prompt))
         hit = next((hit for hit in answer.workers if hit.worker == worker), None)
-        predicted = (0, 0) if hit is None else (hit.hit_tokens, _speculative_hit(hit))
+        predicted = (0, 0) if hit is None else (hit.hit_tokens, speculative_hit(hit))
         task = asyncio.create_task(self._send(worker, prompt, predicted))
         self._routing.add(task)
         task.add_done_callback(self._routing.discard)
@@ -354,8 +354,3 @@ class Prober:
         self.stats.routed.append(
             RoutedRequest(self._clock(), worker, *predicted, admission.num_cached_tokens)
         )
-
-
-def _speculative_hit(hit: WorkerHit) -> int:
-    """The hit with speculative blocks counted (the confirmed one from an index without them)."""
-    return hit.hit_tokens if hit.speculative_hit_tokens is None else hit.speculative_hit_tokens

@@ -108,6 +108,14 @@ class Latency(msgspec.Struct, kw_only=True):
     source: str
 
 
+class Hops(msgspec.Struct, kw_only=True):
+    """The event age hop by hop."""
+
+    engine_to_bridge: Latency
+    bridge_to_kafka_ack: Latency
+    kafka_to_index_fetch: Latency
+
+
 class Routing(msgspec.Struct, kw_only=True):
     probes: int
     attempts: int
@@ -148,8 +156,7 @@ class Summary(msgspec.Struct, kw_only=True):
     pipeline: Pipeline
     event_age: Latency
     kafka_ack_age: Latency
-    hops: list[Latency]
-    """The event age hop by hop: engine to bridge, bridge to Kafka's ack, Kafka to the index."""
+    hops: Hops
     index_catch_up: Latency
     routing: Routing
     routing_comparison: RoutingComparison | None
@@ -210,26 +217,26 @@ def build_summary(
             f"{BRIDGE}_end_to_end_age_seconds",
             "engine batch to Kafka ack",
         ),
-        hops=[
-            _histogram_latency(
+        hops=Hops(
+            engine_to_bridge=_histogram_latency(
                 first.bridge,
                 last.bridge,
                 f"{BRIDGE}_intake_age_seconds",
                 "engine batch to the bridge reading it",
             ),
-            _histogram_latency(
+            bridge_to_kafka_ack=_histogram_latency(
                 first.bridge,
                 last.bridge,
                 f"{BRIDGE}_kafka_send_latency_seconds",
                 "bridge handing records to its producer to Kafka's ack",
             ),
-            _histogram_latency(
+            kafka_to_index_fetch=_histogram_latency(
                 first.index,
                 last.index,
                 f"{INDEX}_fetch_age_seconds",
                 "record's Kafka timestamp to the index fetching it",
             ),
-        ],
+        ),
         index_catch_up=_sampled_latency(
             stats.catch_up_s, "probe: engine lookup to the index applying that seq"
         ),
@@ -421,9 +428,6 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
-HOP_LABELS = ("engine -> bridge", "bridge -> Kafka ack", "Kafka -> index fetch")
-
-
 def render_text(summary: Summary) -> str:
     p, r = summary.pipeline, summary.routing
     how = "interrupted after" if summary.interrupted else "ran"
@@ -455,7 +459,11 @@ def render_text(summary: Summary) -> str:
         "  hops       "
         + "; ".join(
             f"{label} p50 {_ms(hop.p50_s)}, p99 {_ms(hop.p99_s)}"
-            for label, hop in zip(HOP_LABELS, summary.hops, strict=True)
+            for label, hop in (
+                ("engine -> bridge", summary.hops.engine_to_bridge),
+                ("bridge -> Kafka ack", summary.hops.bridge_to_kafka_ack),
+                ("Kafka -> index fetch", summary.hops.kafka_to_index_fetch),
+            )
         ),
         f"  routing    {r.probes} probes, {r.worker_answers_compared} worker answers compared "
         f"at the same seq ({r.raced} raced, {r.errors} errors)",

@@ -27,7 +27,7 @@ from typing import Protocol
 from hmakv.bridge.fanout import fan_out
 from hmakv.consumers.index import KVIndex
 from hmakv.consumers.speculation import SpeculationTtl
-from hmakv.kvlog.answers import WorkerHit
+from hmakv.kvlog.answers import speculative_hit
 from hmakv.producer.events import (
     FULL_ATTENTION_KINDS,
     AllBlocksCleared,
@@ -106,7 +106,7 @@ class HmaIndexEstimate:
         if self._speculation is not None:
             self.index.expire_speculation(now)
         answers = self.index.score(prompt.block_hashes, prompt.num_tokens, details=False)
-        by_name = {answer.worker: _routing_hit(answer) for answer in answers}
+        by_name = {answer.worker: speculative_hit(answer) for answer in answers}
         return [by_name.get(name, 0) for name in self._names]
 
 
@@ -179,12 +179,6 @@ class _Unexpired:
 
     def __call__(self, block_hash: int) -> bool:
         return self.expiry.get(block_hash, 0.0) > self.now
-
-
-def _routing_hit(answer: WorkerHit) -> int:
-    """The hit a router goes by: speculative holdings count (without any it is the hit)."""
-    speculative = answer.speculative_hit_tokens
-    return answer.hit_tokens if speculative is None else speculative
 
 
 def full_attention(spec: GroupSpec) -> bool:

@@ -96,8 +96,7 @@ class ScoredRouter:
             weights.prefix * p + weights.queue * q + weights.kv_cache * (1.0 - load.kv_usage)
             for p, q, load in zip(prefix, queue, loads, strict=True)
         ]
-        top = max(totals)
-        tied = [worker for worker, total in enumerate(totals) if total == top]
+        tied = _best(totals)
         if len(tied) > 1 and self._affinity is not None:
             held = self._affinity.hits(prompt, now)
             longest = max(held[worker] for worker in tied)
@@ -121,7 +120,7 @@ class LeastLoaded:
         """Load only."""
 
     def choose(self, prompt: Prompt, loads: Sequence[EngineLoad], now: float) -> Choice:
-        return Choice(_pick_max([-(x.waiting + x.running) for x in loads], self._rng), None)
+        return Choice(self._rng.choice(_best([-(x.waiting + x.running) for x in loads])), None)
 
 
 class RoundRobin:
@@ -156,6 +155,7 @@ def _queue_scores(waiting: Sequence[int]) -> list[float]:
     return [(high - count) / (high - low) for count in waiting]
 
 
-def _pick_max(values: Sequence[float], rng: random.Random) -> int:
+def _best(values: Sequence[float]) -> list[int]:
+    """The indices of the largest value, every one where it ties."""
     top = max(values)
-    return rng.choice([index for index, value in enumerate(values) if value == top])
+    return [index for index, value in enumerate(values) if value == top]
