@@ -726,10 +726,15 @@ class Follower:
 
     async def _broker_answers(self, timeout_s: float) -> bool:
         """Whether the leaders of the workers topic answer, which is assigned whole from start
-        (never empty: with no partition to ask about, aiokafka would answer without asking)."""
+        (never empty: with no partition to ask about, aiokafka would answer without asking).
+
+        ``asyncio.timeout``, not ``wait_for``: Python 3.11's ``wait_for`` returns the answer when
+        a cancellation arrives with it, and ``stop`` would then wait for this loop forever.
+        """
         partitions = list(self._workers.assignment())
         try:
-            await asyncio.wait_for(self._workers.end_offsets(partitions), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._workers.end_offsets(partitions)
         except (KafkaError, OSError, TimeoutError):
             return False
         return True

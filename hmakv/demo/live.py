@@ -64,7 +64,8 @@ class LiveView:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), self._interval_s)
+                async with asyncio.timeout(self._interval_s):
+                    await stop.wait()
             except TimeoutError:
                 self.show()
 

@@ -142,7 +142,8 @@ class Monitor:
                 self.failures += 1
                 log.debug("sample failed: %s", error)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await stop.wait()
 
     @property
     def latest(self) -> Tick | None:

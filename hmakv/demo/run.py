@@ -519,9 +519,8 @@ class Demo:
             if probing.done():
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self.signals.stop.wait(), min(1.0, deadline - time.monotonic())
-                )
+                async with asyncio.timeout(min(1.0, deadline - time.monotonic())):
+                    await self.signals.stop.wait()
 
     # ------------------------------------------------------------------------------ end
 

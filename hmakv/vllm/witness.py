@@ -203,7 +203,8 @@ class EventWitness:
         try:
             await dealer.send_multipart(replay_request(start))
             while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
+                async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                    frames = await dealer.recv_multipart()
                 reply = parse_reply(frames)  # with or without the topic frame
                 if isinstance(reply, ReplyEnd):
                     return

@@ -4,12 +4,14 @@ them on a real socket, Kafka's silence made by the clock."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from aiokafka.structs import TopicPartition
 from follower_kit import record, stored, worker_state
 from hypothesis import given
 from hypothesis import strategies as st
@@ -195,3 +197,34 @@ async def test_the_api_answers_from_one_reading_of_the_clock() -> None:
         assert response.status == 503
         assert readiness["reasons"] == ["catching_up", "broker_silent"]
         assert (readiness["broker_silence_s"], readiness["stale_workers"]) == (10.5, 1)
+
+
+# ----------------------------------------------------------------------------- stopping
+
+
+class AnsweringWorkersConsumer:
+    """Stands in for the workers topic's consumer so that Kafka's answer and the cancellation
+    arrive in the same turn of the loop, a race a real broker hits only now and then (it hung
+    the index's stop for good in CI, twice)."""
+
+    def __init__(self, answer: asyncio.Future[dict[TopicPartition, int]]) -> None:
+        self.answer = answer
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TopicPartition("workers", 0)}
+
+    async def end_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return await self.answer
+
+
+async def test_the_broker_watch_stops_when_cancelled_as_kafka_answers() -> None:
+    config = FollowerConfig("127.0.0.1:1", Topics("unused"))
+    follower = Follower(config)
+    answer: asyncio.Future[dict[TopicPartition, int]] = asyncio.get_running_loop().create_future()
+    follower._workers = AnsweringWorkersConsumer(answer)
+    watch = asyncio.create_task(follower._watch_broker())
+    await asyncio.sleep(0)  # asking Kafka
+    answer.set_result({TopicPartition("workers", 0): 0})
+    watch.cancel()
+    done, _ = await asyncio.wait([watch], timeout=2.0)
+    assert done == {watch} and watch.cancelled(), "the cancellation was swallowed"
