@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from harness import write_report
+from harness import quantile, write_report
 
 from hmakv.consumers.follower import FollowerConfig
 from hmakv.kafka import local_broker
@@ -72,7 +72,7 @@ async def _floor(bootstrap: str) -> dict[str, float]:
     finally:
         await producer.stop()
         await consumer.stop()
-    return {"p50_s": _quantile(ages, 0.5), "p99_s": _quantile(ages, 0.99)}
+    return {"p50_s": quantile(ages, 0.5), "p99_s": quantile(ages, 0.99)}
 
 
 async def _read(consumer: AIOKafkaConsumer, ages: list[float]) -> None:
@@ -80,11 +80,6 @@ async def _read(consumer: AIOKafkaConsumer, ages: list[float]) -> None:
         batches = await consumer.getmany(timeout_ms=1000)
         now = time.perf_counter()
         ages.extend(now - float(r.value) for rs in batches.values() for r in rs if r.value)
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q * len(ordered) + 0.5) - 1))]
 
 
 def floor(dist: str) -> dict[str, float]:

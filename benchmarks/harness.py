@@ -47,6 +47,14 @@ def wait_for_subscriber(ready: Connection, publisher: BatchSink) -> None:
     ready.recv()
 
 
+def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``values`` (0.0 for none)."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[max(0, min(len(ordered) - 1, round(q * len(ordered) + 0.5) - 1))]
+
+
 def write_report(path: Path, report: Mapping[str, Any], *, note: str = "") -> None:
     """Write ``report`` as indented JSON to ``path`` (making its folder) and say where."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import web
-from harness import GroupOf, group_store, write_report
+from harness import GroupOf, group_store, quantile, write_report
 
 from hmakv.consumers.api import HashingDefaults, ScoreApi, ScoreRequest, build_app
 from hmakv.consumers.follower import Follower, FollowerConfig
@@ -70,14 +70,16 @@ def prompt(num_tokens: int, seed: int) -> list[int]:
     return [rng.randrange(1, 200_000) for _ in range(num_tokens)]
 
 
+def prompt_hashes(hasher: BlockHasher, tokens: list[int]) -> list[ExternalBlockHash]:
+    return [external(d) for d in hasher.block_hashes(tokens, BLOCK_SIZE)]
+
+
 def fleet(prompts: list[list[int]], workers: int, hasher: BlockHasher) -> Follower:
     """An index whose workers hold shares of every prompt. It has no Kafka (nothing is consumed)
     and its broker clock stands still, so that Kafka's silence never makes the workers stale."""
     config = FollowerConfig("127.0.0.1:1", Topics("bench"), hash_block_size=BLOCK_SIZE)
     follower = Follower(config, clock=lambda: 0.0)
-    chains: list[list[ExternalBlockHash]] = [
-        [external(d) for d in hasher.block_hashes(tokens, BLOCK_SIZE)] for tokens in prompts
-    ]
+    chains = [prompt_hashes(hasher, tokens) for tokens in prompts]
     for w in range(workers):
         name = f"worker-{w:02d}"
         for seq, chain in enumerate(chains):
@@ -140,18 +142,13 @@ async def drive(url: str, body: bytes, connections: int, seconds: float) -> dict
     process.join()
     return {
         "requests": len(latencies),
-        "p50_us": _quantile(latencies, 0.5) * 1e6,
-        "p99_us": _quantile(latencies, 0.99) * 1e6,
+        "p50_us": quantile(latencies, 0.5) * 1e6,
+        "p99_us": quantile(latencies, 0.99) * 1e6,
         "per_s": len(latencies) / seconds,
         "per_cpu_s": sent / cpu if cpu > 0 else 0.0,
         "wall_s": wall,
         "answers": answers,
     }
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 # ------------------------------------------------------------------------------ the servers
@@ -195,14 +192,12 @@ def steps(follower: Follower, tokens: list[int], body: bytes, answer: bytes, sec
     decoder = msgspec.json.Decoder(ScoreRequest)
     request = decoder.decode(body)
     hasher = BlockHasher(request.hash_fn or "sha256_cbor", request.seed or "0")
-    hashes = [external(d) for d in hasher.block_hashes(tokens, BLOCK_SIZE)]
+    hashes = prompt_hashes(hasher, tokens)
     response = msgspec.json.decode(answer, type=ScoreResponse)
     each = seconds / 4
     return {
         "parse_us": step_us(lambda: decoder.decode(body), each),
-        "hash_us": step_us(
-            lambda: [external(d) for d in hasher.block_hashes(tokens, BLOCK_SIZE)], each
-        ),
+        "hash_us": step_us(lambda: prompt_hashes(hasher, tokens), each),
         "score_us": step_us(lambda: follower.index.score(hashes, len(tokens)), each),
         "encode_us": step_us(lambda: msgspec.json.encode(response), each),
     }
@@ -212,7 +207,7 @@ def steps(follower: Follower, tokens: list[int], body: bytes, answer: bytes, sec
 
 
 def expected_answer(follower: Follower, tokens: list[int], hasher: BlockHasher) -> dict[str, int]:
-    hashes = [external(d) for d in hasher.block_hashes(tokens, BLOCK_SIZE)]
+    hashes = prompt_hashes(hasher, tokens)
     return {hit.worker: hit.hit_tokens for hit in follower.index.score(hashes, len(tokens))}
 
 
@@ -243,7 +238,7 @@ async def measure(setup: Setup) -> dict[str, Any]:
             body = msgspec.json.encode({"token_ids": tokens})
             latency = await drive(f"{url}/v1/score", body, 1, setup.seconds)
             check(latency.pop("answers"), expected_answer(follower, tokens, hasher), size)
-            answer_bytes = (await _one_answer(f"{url}/v1/score", body)).encode()
+            answer_bytes = await _one_answer(f"{url}/v1/score", body)
             busy = await drive(f"{url}/v1/score", body, setup.connections, setup.seconds)
             busy.pop("answers")
             floor_runner, floor_url = await serving(floor_app(answer_bytes))
@@ -274,9 +269,9 @@ async def measure(setup: Setup) -> dict[str, Any]:
     return {"setup": msgspec.to_builtins(setup), "rows": rows}
 
 
-async def _one_answer(url: str, body: bytes) -> str:
+async def _one_answer(url: str, body: bytes) -> bytes:
     async with aiohttp.ClientSession() as session, session.post(url, data=body) as response:
-        return await response.text()
+        return await response.read()
 
 
 # ------------------------------------------------------------------------------ the report
