@@ -35,7 +35,7 @@ from hmakv.demo.client import Http, VllmClient
 from hmakv.demo.processes import Children, hmakv_command
 from hmakv.kafka.process import LOOPBACK, free_port
 from hmakv.producer.events import GroupSpec, decode
-from hmakv.producer.hashing import BlockHasher, external
+from hmakv.producer.hashing import BlockHasher
 from hmakv.routing.estimates import Prompt
 from hmakv.routing.policies import EngineLoad, Router
 from hmakv.routing.study import ROUTERS as STUDY_ROUTERS
@@ -157,7 +157,7 @@ async def run_router(
     for _ in range(args.requests):
         tokens = prompts.next_prompt()
         await feed(router, servers)
-        hashes = tuple(external(d) for d in hasher.block_hashes(tokens, block_size))
+        hashes = tuple(hasher.external_hashes(tokens, block_size))
         choice = router.choose(Prompt(len(tokens), hashes), [IDLE] * len(servers), time.time())
         served = await servers[choice.worker].client.complete(tokens)
         prompt_tokens += served.prompt_tokens

@@ -21,7 +21,7 @@ import asyncio
 import functools
 import hmac
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -50,7 +50,6 @@ from hmakv.producer.hashing import (
     BlockHasher,
     UnsupportedHashFunction,
     block_extra_keys,
-    external,
 )
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -371,7 +370,9 @@ class ScoreApi:
             raise _BadRequest(413, f"more than {self.limits.max_worker_filter} workers to filter")
         return set(workers)
 
-    def _prompt(self, request: Prompt, hash_block_size: int) -> tuple[list[ExternalBlockHash], int]:
+    def _prompt(
+        self, request: Prompt, hash_block_size: int
+    ) -> tuple[Sequence[ExternalBlockHash], int]:
         """The prompt's block hashes at the index's block size, and its length in tokens."""
         if (request.token_ids is None) == (request.block_hashes is None):
             raise _BadRequest(400, "give exactly one of token_ids and block_hashes")
@@ -388,7 +389,7 @@ class ScoreApi:
 
     def _hash_tokens(
         self, request: Prompt, token_ids: list[int], block_size: int
-    ) -> tuple[list[ExternalBlockHash], int]:
+    ) -> tuple[Sequence[ExternalBlockHash], int]:
         if not token_ids:
             raise _BadRequest(400, "token_ids is empty")
         if len(token_ids) > self.limits.max_prompt_tokens:
@@ -407,7 +408,7 @@ class ScoreApi:
 
     def _lookahead_hashes(
         self, request: Prompt, token_ids: list[int], block_size: int, lookahead: int
-    ) -> list[ExternalBlockHash]:
+    ) -> Sequence[ExternalBlockHash]:
         """The prompt's hashes as a worker with that lookahead hashing makes them.
 
         The index asks for each lookahead in the fleet only after the classic hashes (0) were
@@ -418,13 +419,12 @@ class ScoreApi:
             request.hash_fn or self.hashing.hash_fn,
             request.seed if request.seed is not None else self.hashing.seed,
         )
-        digests = hasher.block_hashes(
+        return hasher.external_hashes(
             token_ids,
             block_size,
             extra_keys=self._extra_keys(request, len(token_ids), block_size),
             lookahead=lookahead,
         )
-        return [external(digest) for digest in digests]
 
     @staticmethod
     def _extra_keys(
@@ -449,7 +449,7 @@ class ScoreApi:
 
     def _given_hashes(
         self, request: Prompt, given: list[int | str], block_size: int
-    ) -> tuple[list[ExternalBlockHash], int]:
+    ) -> tuple[Sequence[ExternalBlockHash], int]:
         if not given:
             raise _BadRequest(400, "block_hashes is empty")
         if len(given) > self.limits.max_prompt_blocks:

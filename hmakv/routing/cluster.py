@@ -28,7 +28,7 @@ from hmakv.producer.engine.profiles import ModelProfile
 from hmakv.producer.engine.scheduler import Scheduler, StepResult, SyntheticSampler
 from hmakv.producer.engine.workloads import ArrivalSchedule, RequestSpec, Workload
 from hmakv.producer.events import KVEventBatch
-from hmakv.producer.hashing import BlockHasher, external
+from hmakv.producer.hashing import BlockHasher
 from hmakv.producer.recorder import EventRecorder
 from hmakv.routing.costs import StepCost
 from hmakv.routing.estimates import Prompt
@@ -100,8 +100,8 @@ class PromptHasher:
     def prompt(self, token_ids: tuple[int, ...]) -> Prompt:
         hashes = self._known.get(token_ids)
         if hashes is None:
-            digests = self._hasher.block_hashes(token_ids, self._block_size)
-            hashes = self._known[token_ids] = tuple(external(d) for d in digests)
+            external_hashes = self._hasher.external_hashes(token_ids, self._block_size)
+            hashes = self._known[token_ids] = tuple(external_hashes)
         return Prompt(len(token_ids), hashes)
 
 

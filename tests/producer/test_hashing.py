@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hmakv.producer import hashing
 from hmakv.producer.hashing import (
     HASH_FUNCTIONS,
     BlockHasher,
@@ -37,16 +39,20 @@ def _extra_keys(case: dict[str, Any]) -> list[tuple[object, ...] | None] | None:
     return None if keys is None else [tuple(k) if k is not None else None for k in keys]
 
 
+@pytest.mark.parametrize("path", ["native", "python"])
 @pytest.mark.parametrize("case", VECTOR_CASES, ids=[c["case"] for c in VECTOR_CASES])
-def test_matches_vllm_vectors(case: dict[str, Any]) -> None:
-    """Cases without ``lookahead`` come from vLLMs before it existed: they hash without one."""
+def test_matches_vllm_vectors(case: dict[str, Any], path: str) -> None:
+    """Cases without ``lookahead`` come from vLLMs before it existed: they hash without one.
+    Both paths: the native hasher takes the cases without extra keys."""
     hasher = BlockHasher(case["hash_fn"], seed=case["PYTHONHASHSEED"])
-    hashes = hasher.block_hashes(
-        case["token_ids"],
-        case["block_size"],
-        extra_keys=_extra_keys(case),
-        lookahead=case.get("lookahead", 0),
-    )
+    native = hashing._NATIVE if path == "native" else None
+    with mock.patch.object(hashing, "_NATIVE", native):
+        hashes = hasher.block_hashes(
+            case["token_ids"],
+            case["block_size"],
+            extra_keys=_extra_keys(case),
+            lookahead=case.get("lookahead", 0),
+        )
     assert hasher.none_hash.hex() == case["none_hash_hex"]
     assert [h.hex() for h in hashes] == case["block_hashes_hex"]
     assert [external(h) for h in hashes] == case["external_ints"]

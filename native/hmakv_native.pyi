@@ -1,0 +1,14 @@
+def block_hashes(
+    hash_fn: str,
+    parent: bytes,
+    token_ids: list[int] | tuple[int, ...],
+    block_size: int,
+    lookahead: int = 0,
+) -> list[bytes]: ...
+def external_hashes(
+    hash_fn: str,
+    parent: bytes,
+    token_ids: list[int] | tuple[int, ...],
+    block_size: int,
+    lookahead: int = 0,
+) -> list[int]: ...
