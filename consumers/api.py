@@ -1,4 +1,4 @@
-"""The score API and the exporter's endpoint: aiohttp, JSON in and out through msgspec structs.
+"""The score API and the exporter's endpoint: aiohttp, JSON (or msgpack) through msgspec structs.
 
 One route table (``ROUTES`` built by ``routes``) both registers the handlers and generates the
 OpenAPI 3.1 document at ``/openapi.json`` from the same msgspec structs that validate requests
@@ -6,7 +6,10 @@ and encode responses, so the document cannot drift from what the server does. Th
 structs, and the rule that names the best worker, are ``kvlog.answers``: the index builds those
 structs and the demo decodes them, so the three share one definition.
 
-Every error, aiohttp's own (404, 405, 413) included, is a JSON body ``{"error": "..."}``. With
+A prompt's two endpoints also take msgpack (``Content-Type: application/msgpack``) and answer in
+it; with ``packed_token_ids`` (bin in msgpack, base64 in JSON) the index makes no Python int per
+token, the largest cost of a long prompt after hashing. Every error, aiohttp's own (404, 405,
+413) included, is a JSON body ``{"error": "..."}``. With
 an access token configured, ``/v1/score`` and ``/v1/workers`` want ``Authorization: Bearer
 <token>`` (compared in constant time; 401 otherwise), while health, readiness, metrics and the
 document stay open to probes and scrapers. At most ``max_concurrent`` requests are served at once
@@ -20,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -47,7 +51,10 @@ from hmakv.kvlog.web import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONCURRENT, conc
 from hmakv.producer.events import ExternalBlockHash
 from hmakv.producer.hashing import (
     HASH_FUNCTIONS,
+    PACKED_TOKEN_BYTES,
     BlockHasher,
+    PackedTokenIds,
+    TokenIds,
     UnsupportedHashFunction,
     block_extra_keys,
 )
@@ -57,6 +64,9 @@ P = TypeVar("P", bound="Prompt")
 
 _MAX_EXTERNAL_HASH = 2**64 - 1
 _HASHER_CACHE_SIZE = 16
+MSGPACK = "application/msgpack"
+# The names msgpack goes by: its registered one, the de facto one, and the old x- one.
+_MSGPACK_TYPES = frozenset({MSGPACK, "application/vnd.msgpack", "application/x-msgpack"})
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -98,9 +108,17 @@ ExtraKey = str | int | list[str | int]
 
 
 class Prompt(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A prompt: its token ids (hashed here as vLLM hashes them) or its block hashes."""
+    """A prompt: its token ids (hashed here as vLLM hashes them), packed or not, or its block
+    hashes."""
 
     token_ids: list[TokenId] | None = None
+    packed_token_ids: Annotated[
+        bytes | None,
+        Doc(
+            description="token_ids as one buffer of little-endian uint32s, 4 bytes a token "
+            "(bin in msgpack, base64 in JSON): the fastest form for a long prompt"
+        ),
+    ] = None
     block_hashes: list[BlockHashIn] | None = None
     num_tokens: Annotated[
         Annotated[int, Doc(ge=1)] | None,
@@ -193,6 +211,7 @@ class Route:
     errors: tuple[int, ...] = ()
     extra_statuses: tuple[tuple[int, str], ...] = ()
     content_type: str = "application/json"
+    msgpack: bool = False  # also takes a msgpack request, and answers it in msgpack
 
 
 class _BadRequest(Exception):
@@ -202,10 +221,38 @@ class _BadRequest(Exception):
 
 
 _encoder = msgspec.json.Encoder()
+_msgpack_encoder = msgspec.msgpack.Encoder()
 
 
 def _json(body: msgspec.Struct | dict[str, Any], status: int = 200) -> web.Response:
     return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
+
+
+def _answer(body: msgspec.Struct, msgpack: bool) -> web.Response:
+    """A prompt's answer in the request's format."""
+    if msgpack:
+        return web.Response(body=_msgpack_encoder.encode(body), content_type=MSGPACK)
+    return _json(body)
+
+
+def _is_msgpack(request: web.Request) -> bool:
+    return request.content_type in _MSGPACK_TYPES
+
+
+class _Decoder(Generic[P]):
+    """One request struct's decoders, JSON's and msgpack's."""
+
+    def __init__(self, kind: type[P]) -> None:
+        self._json = msgspec.json.Decoder(kind)
+        self._msgpack = msgspec.msgpack.Decoder(kind)
+
+    def decode(self, body: bytes, msgpack: bool) -> P:
+        try:
+            return self._msgpack.decode(body) if msgpack else self._json.decode(body)
+        except msgspec.ValidationError as exc:
+            raise _BadRequest(400, f"invalid request: {exc}") from exc
+        except msgspec.DecodeError as exc:
+            raise _BadRequest(400, f"invalid {'msgpack' if msgpack else 'JSON'}: {exc}") from exc
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -234,8 +281,8 @@ class ScoreApi:
         self.stats = stats
         self.hashing = hashing
         self.limits = limits
-        self._decoder = msgspec.json.Decoder(ScoreRequest)
-        self._routed_decoder = msgspec.json.Decoder(RoutedRequest)
+        self._decoder = _Decoder(ScoreRequest)
+        self._routed_decoder = _Decoder(RoutedRequest)
 
     def routes(self) -> list[Route]:
         return [
@@ -247,6 +294,7 @@ class ScoreApi:
                 ScoreResponse,
                 request=ScoreRequest,
                 errors=(400, 401, 408, 413, 429),
+                msgpack=True,
             ),
             Route(
                 "POST",
@@ -257,6 +305,7 @@ class ScoreApi:
                 RoutedResponse,
                 request=RoutedRequest,
                 errors=(400, 401, 404, 408, 413, 429),
+                msgpack=True,
             ),
             Route(
                 "GET",
@@ -290,17 +339,19 @@ class ScoreApi:
 
     async def score(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
+        msgpack = _is_msgpack(request)
         try:
-            response = self._score(await self._body(request, self._decoder))
+            response = self._score(await self._body(request, self._decoder, msgpack))
         except _BadRequest as bad:
             self.stats.record("rejected", time.perf_counter() - started)
             return _error(bad.status, str(bad))
         self.stats.record("ok", time.perf_counter() - started)
-        return _json(response)
+        return _answer(response, msgpack)
 
     async def routed(self, request: web.Request) -> web.Response:
+        msgpack = _is_msgpack(request)
         try:
-            routed = await self._body(request, self._routed_decoder)
+            routed = await self._body(request, self._routed_decoder, msgpack)
             hashes, num_tokens = self._prompt(routed, self.follower.index.hash_block_size)
             blocks, ttl = self.follower.speculate(routed.worker, hashes, num_tokens, routed.ttl_s)
         except _BadRequest as bad:
@@ -311,9 +362,9 @@ class ScoreApi:
             return _error(404, f"unknown worker {unknown}: the index makes none up")
         self.stats.record_routed("ok")
         answer = RoutedResponse(worker=routed.worker, speculated_blocks=blocks, expires_in_s=ttl)
-        return _json(answer)
+        return _answer(answer, msgpack)
 
-    async def _body(self, request: web.Request, decoder: msgspec.json.Decoder[P]) -> P:
+    async def _body(self, request: web.Request, decoder: _Decoder[P], msgpack: bool) -> P:
         try:
             async with asyncio.timeout(self.limits.read_timeout):
                 body = await request.read()
@@ -324,22 +375,18 @@ class ScoreApi:
         except web.RequestPayloadError as exc:  # e.g. Content-Encoding: gzip on a body that is not
             raise _BadRequest(400, f"unreadable body: {exc}") from exc
         if not body:
-            raise _BadRequest(400, "empty body: expected a JSON object")
-        try:
-            return decoder.decode(body)
-        except msgspec.ValidationError as exc:
-            raise _BadRequest(400, f"invalid request: {exc}") from exc
-        except msgspec.DecodeError as exc:
-            raise _BadRequest(400, f"invalid JSON: {exc}") from exc
+            raise _BadRequest(400, f"empty body: expected a {'msgpack' if msgpack else 'JSON'} map")
+        return decoder.decode(body, msgpack)
 
     def _score(self, request: ScoreRequest) -> ScoreResponse:
         index = self.follower.index
         hashes, num_tokens = self._prompt(request, index.hash_block_size)
         self.follower.expire_speculation()
         rehash = None
-        if request.token_ids is not None:
+        token_ids = _token_ids(request)
+        if token_ids is not None:
             rehash = functools.partial(
-                self._lookahead_hashes, request, request.token_ids, index.hash_block_size
+                self._lookahead_hashes, request, token_ids, index.hash_block_size
             )
         scores = index.score(
             hashes,
@@ -374,8 +421,11 @@ class ScoreApi:
         self, request: Prompt, hash_block_size: int
     ) -> tuple[Sequence[ExternalBlockHash], int]:
         """The prompt's block hashes at the index's block size, and its length in tokens."""
-        if (request.token_ids is None) == (request.block_hashes is None):
-            raise _BadRequest(400, "give exactly one of token_ids and block_hashes")
+        given = (request.token_ids, request.packed_token_ids, request.block_hashes)
+        if sum(prompt is not None for prompt in given) != 1:
+            raise _BadRequest(
+                400, "give exactly one of token_ids, packed_token_ids and block_hashes"
+            )
         block_size = request.block_size or hash_block_size
         if block_size != hash_block_size:
             raise _BadRequest(
@@ -383,22 +433,24 @@ class ScoreApi:
                 f"block_size {block_size}: this index hashes prompts in blocks of "
                 f"{hash_block_size} tokens",
             )
-        if request.token_ids is not None:
-            return self._hash_tokens(request, request.token_ids, block_size)
+        token_ids = _token_ids(request)
+        if token_ids is not None:
+            return self._hash_tokens(request, token_ids, block_size)
         return self._given_hashes(request, request.block_hashes or [], block_size)
 
     def _hash_tokens(
-        self, request: Prompt, token_ids: list[int], block_size: int
+        self, request: Prompt, token_ids: TokenIds, block_size: int
     ) -> tuple[Sequence[ExternalBlockHash], int]:
-        if not token_ids:
-            raise _BadRequest(400, "token_ids is empty")
+        if not len(token_ids):
+            packed = isinstance(token_ids, PackedTokenIds)
+            raise _BadRequest(400, f"{'packed_token_ids' if packed else 'token_ids'} is empty")
         if len(token_ids) > self.limits.max_prompt_tokens:
             raise _BadRequest(
                 413, f"{len(token_ids)} tokens: at most {self.limits.max_prompt_tokens}"
             )
         if request.num_tokens is not None:
             raise _BadRequest(
-                400, "num_tokens goes with block_hashes; with token_ids it is their count"
+                400, "num_tokens goes with block_hashes; with token ids it is their count"
             )
         try:
             hashes = self._lookahead_hashes(request, token_ids, block_size, 0)
@@ -407,7 +459,7 @@ class ScoreApi:
         return hashes, len(token_ids)
 
     def _lookahead_hashes(
-        self, request: Prompt, token_ids: list[int], block_size: int, lookahead: int
+        self, request: Prompt, token_ids: TokenIds, block_size: int, lookahead: int
     ) -> Sequence[ExternalBlockHash]:
         """The prompt's hashes as a worker with that lookahead hashing makes them.
 
@@ -531,6 +583,15 @@ def _followed(hit: WorkerHit, stale_groups: set[int] | None, stale: bool) -> Wor
     if not stale_groups and not stale:
         return hit
     return msgspec.structs.replace(hit, stale_groups=tuple(sorted(stale_groups or ())), stale=stale)
+
+
+def _token_ids(prompt: Prompt) -> TokenIds | None:
+    if prompt.packed_token_ids is None:
+        return prompt.token_ids
+    try:
+        return PackedTokenIds(prompt.packed_token_ids)
+    except ValueError as exc:
+        raise _BadRequest(400, f"packed_token_ids: {exc}") from exc
 
 
 def _external_hash(value: int | str) -> ExternalBlockHash:
@@ -664,7 +725,7 @@ def _operation(route: Route, schema_of: dict[Any, Any]) -> dict[str, Any]:
     if route.response is str:
         content = {route.content_type.split(";")[0]: {"schema": {"type": "string"}}}
     else:
-        content = {"application/json": {"schema": schema_of[route.response]}}
+        content = _media(route, schema_of[route.response])
     responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
     for status, description in route.extra_statuses:
         responses[str(status)] = {"description": description, "content": content}
@@ -679,9 +740,17 @@ def _operation(route: Route, schema_of: dict[Any, Any]) -> dict[str, Any]:
     if route.request is not None:
         operation["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": schema_of[route.request]}},
+            "content": _media(route, schema_of[route.request]),
         }
     return operation
+
+
+def _media(route: Route, schema: dict[str, Any]) -> dict[str, Any]:
+    """JSON, and msgpack where the route takes it (its bytes are bin there, not base64)."""
+    media = {"application/json": {"schema": schema}}
+    if route.msgpack:
+        media[MSGPACK] = {"schema": schema}
+    return media
 
 
 def _document_limits(components: dict[str, Any], limits: ApiLimits) -> None:
@@ -695,13 +764,10 @@ def _document_limits(components: dict[str, Any], limits: ApiLimits) -> None:
 
 
 def _document_prompt(request: dict[str, Any], limits: ApiLimits) -> None:
-    # Exactly one of the two is given: null is as absent (the server reads both as None), so
+    # Exactly one prompt field is given: null is as absent (the server reads it as None), so
     # "given" is present and not null; ``required`` alone made {"token_ids": [..],
     # "block_hashes": null} invalid by the document, which the server answers (schemathesis).
-    request["oneOf"] = [
-        {**_given("token_ids"), "not": _given("block_hashes")},
-        {**_given("block_hashes"), "not": _given("token_ids")},
-    ]
+    request["oneOf"] = [_given(name, kind) for name, kind in _PROMPT_FIELDS.items()]
     properties = request["properties"]
     for option in properties["hash_fn"]["anyOf"]:
         if option.get("type") == "string":
@@ -713,8 +779,16 @@ def _document_prompt(request: dict[str, Any], limits: ApiLimits) -> None:
         for option in properties[name]["anyOf"]:
             if option.get("type") == "array":
                 option["maxItems"] = most
+    packed_bytes = limits.max_prompt_tokens * PACKED_TOKEN_BYTES
+    for option in properties["packed_token_ids"]["anyOf"]:
+        if option.get("type") == "string":
+            option["maxLength"] = 4 * math.ceil(packed_bytes / 3)  # in base64
 
 
-def _given(name: str) -> dict[str, Any]:
-    """A JSON schema for: the request gives this list, present and not null."""
-    return {"required": [name], "properties": {name: {"type": "array"}}}
+# The fields a prompt may come in, and their JSON types.
+_PROMPT_FIELDS = {"token_ids": "array", "packed_token_ids": "string", "block_hashes": "array"}
+
+
+def _given(name: str, kind: str) -> dict[str, Any]:
+    """A JSON schema for: the request gives this field, present and not null."""
+    return {"required": [name], "properties": {name: {"type": kind}}}

@@ -8,12 +8,14 @@ and ``xxhash`` are refused, as their bytes depend on the engine's Python and are
 Reference: ``vllm/v1/core/kv_cache_utils.py`` and ``vllm/utils/hashing.py``.
 
 The Python loop here is the specification. Blocks without extra keys, a router's usual prompt, go
-through ``hmakv_native`` (``native/``, Rust) when it is installed: 7x faster on 8k tokens.
+through ``hmakv_native`` (``native/``, Rust) when it is installed: 7x faster on 8k tokens. A
+prompt may come packed (``PackedTokenIds``), which that path reads without a Python int per token.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol, TypeVar
 
@@ -44,11 +46,46 @@ _ENGINE_ONLY = frozenset({"sha256", "xxhash"})
 HASH_FUNCTIONS = tuple(_DIGESTS)
 
 
-Tokens = list[int] | tuple[int, ...]
+PACKED_TOKEN_BYTES = 4  # a packed token id: a little-endian uint32
+
+
+class PackedTokenIds:
+    """A prompt's token ids as one buffer of little-endian uint32s (every vocabulary fits).
+
+    The form a router sends when it wants the index to skip making a Python int per token:
+    native hashing reads the buffer as it is, the Python specification unpacks it.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        if len(data) % PACKED_TOKEN_BYTES:
+            raise ValueError(
+                f"packed token ids are {PACKED_TOKEN_BYTES} bytes each: "
+                f"{len(data)} bytes is not a whole number of them"
+            )
+        self.data = data
+
+    @classmethod
+    def pack(cls, token_ids: Sequence[int]) -> PackedTokenIds:
+        """Raises ``struct.error`` for a token id outside uint32."""
+        return cls(struct.pack(f"<{len(token_ids)}I", *token_ids))
+
+    def __len__(self) -> int:
+        return len(self.data) // PACKED_TOKEN_BYTES
+
+    def unpack(self) -> tuple[int, ...]:
+        return struct.unpack(f"<{len(self)}I", self.data)
+
+
+TokenIds = Sequence[int] | PackedTokenIds
+# What hmakv_native reads: ints, or a PackedTokenIds' bytes.
+Tokens = list[int] | tuple[int, ...] | bytes
 
 
 class _NativeHasher(Protocol):
-    """``hmakv_native``: blocks without extra keys; tokens must be a list or tuple of ints."""
+    """``hmakv_native``: blocks without extra keys; tokens must be a list or tuple of ints, or
+    packed bytes."""
 
     def block_hashes(
         self, hash_fn: str, parent: bytes, token_ids: Tokens, block_size: int, lookahead: int = 0
@@ -121,7 +158,7 @@ class BlockHasher:
 
     def block_hashes(
         self,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         block_size: int,
         *,
         extra_keys: Sequence[BlockExtraKeys] | None = None,
@@ -147,32 +184,32 @@ class BlockHasher:
             raise ValueError(
                 f"extra_keys has {len(extra_keys)} entries for {num_blocks} full blocks"
             )
-        # CBOR encodes lists and tuples alike, so list slices hash as vLLM's tuples do.
-        tokens = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
         previous = parent or self.none_hash
         if _NATIVE is not None and extra_keys is None:
             try:
-                return _NATIVE.block_hashes(self.hash_fn, previous, tokens, block_size, lookahead)
+                return _NATIVE.block_hashes(
+                    self.hash_fn, previous, _native_form(token_ids), block_size, lookahead
+                )
             except (OverflowError, TypeError):
                 pass  # a token that is not a uint64 int: CBOR encodes it otherwise
         return self._python_block_hashes(
-            tokens, block_size, num_blocks, extra_keys, previous, lookahead
+            _python_form(token_ids), block_size, num_blocks, extra_keys, previous, lookahead
         )
 
     def external_hashes(
         self,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         block_size: int,
         *,
         extra_keys: Sequence[BlockExtraKeys] | None = None,
         lookahead: int = 0,
     ) -> list[int]:
         """``block_hashes`` in vLLM's external form, as a router looks them up."""
-        if _NATIVE is not None and extra_keys is None and isinstance(token_ids, list | tuple):
+        if _NATIVE is not None and extra_keys is None:
             _full_blocks(len(token_ids), block_size, lookahead)
             try:
                 return _NATIVE.external_hashes(
-                    self.hash_fn, self.none_hash, token_ids, block_size, lookahead
+                    self.hash_fn, self.none_hash, _native_form(token_ids), block_size, lookahead
                 )
             except (OverflowError, TypeError):
                 pass  # as in block_hashes
@@ -203,6 +240,19 @@ class BlockHasher:
             previous = digest(dumps(block, canonical=True))
             hashes.append(previous)
         return hashes
+
+
+def _native_form(token_ids: TokenIds) -> Tokens:
+    if isinstance(token_ids, PackedTokenIds):
+        return token_ids.data
+    return _python_form(token_ids)  # bytes as ints, as Python reads them, never as packed
+
+
+def _python_form(token_ids: TokenIds) -> list[int] | tuple[int, ...]:
+    # CBOR encodes lists and tuples alike, so list slices hash as vLLM's tuples do.
+    if isinstance(token_ids, PackedTokenIds):
+        return token_ids.unpack()
+    return token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
 
 
 def _full_blocks(num_tokens: int, block_size: int, lookahead: int) -> int:

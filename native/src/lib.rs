@@ -1,12 +1,15 @@
 //! vLLM's chained prefix-cache block hashes (`sha256_cbor`, `xxhash_cbor`) for blocks without
 //! extra keys: the score path's hot loop. `producer/hashing.py` is the specification; a block is
 //! the canonical CBOR of `(parent digest, block tokens, keys)`, keys being `None`, or with
-//! lookahead `(None, *the lookahead tokens)`.
+//! lookahead `(None, *the lookahead tokens)`. Tokens come as a list or tuple of ints, or packed:
+//! one `bytes` of little-endian uint32s, read without a Python int per token.
 
 use minicbor::Encoder;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
+
+const PACKED_TOKEN_BYTES: usize = 4;
 use sha2::{Digest, Sha256};
 
 #[derive(Clone, Copy)]
@@ -39,7 +42,10 @@ fn encode_block(buffer: &mut Vec<u8>, previous: &[u8], block: &[u64], lookahead:
     buffer.clear();
     let mut encoder = Encoder::new(&mut *buffer);
     // Writing into a Vec cannot fail.
-    encoder.array(3).and_then(|e| e.bytes(previous)).expect("vec write");
+    encoder
+        .array(3)
+        .and_then(|e| e.bytes(previous))
+        .expect("vec write");
     encoder.array(block.len() as u64).expect("vec write");
     for &token in block {
         encoder.u64(token).expect("vec write");
@@ -47,7 +53,10 @@ fn encode_block(buffer: &mut Vec<u8>, previous: &[u8], block: &[u64], lookahead:
     if lookahead.is_empty() {
         encoder.null().expect("vec write");
     } else {
-        encoder.array(1 + lookahead.len() as u64).and_then(|e| e.null()).expect("vec write");
+        encoder
+            .array(1 + lookahead.len() as u64)
+            .and_then(|e| e.null())
+            .expect("vec write");
         for &token in lookahead {
             encoder.u64(token).expect("vec write");
         }
@@ -71,7 +80,12 @@ fn chain(
         let start = index * block_size;
         let end = start + block_size;
         let previous = digests.last().map_or(parent, Vec::as_slice);
-        encode_block(&mut buffer, previous, &tokens[start..end], &tokens[end..end + lookahead]);
+        encode_block(
+            &mut buffer,
+            previous,
+            &tokens[start..end],
+            &tokens[end..end + lookahead],
+        );
         digests.push(hash_fn.digest(&buffer));
     }
     Ok(digests)
@@ -79,7 +93,7 @@ fn chain(
 
 /// The tokens as u64s. Only exact ints are taken: cbor2 encodes a bool as `true`, not `1`, and a
 /// token outside u64 as a bignum, so anything else raises (TypeError, OverflowError) and the caller
-/// hashes those prompts in Python.
+/// hashes those prompts in Python. Packed tokens are uint32s, always in range.
 fn tokens(token_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     if let Ok(list) = token_ids.downcast::<PyList>() {
         return list.iter().map(|item| token(&item)).collect();
@@ -87,7 +101,25 @@ fn tokens(token_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     if let Ok(tuple) = token_ids.downcast::<PyTuple>() {
         return tuple.iter().map(|item| token(&item)).collect();
     }
-    Err(PyTypeError::new_err("token_ids must be a list or a tuple of ints"))
+    if let Ok(packed) = token_ids.downcast::<PyBytes>() {
+        return unpack(packed.as_bytes());
+    }
+    Err(PyTypeError::new_err(
+        "token_ids must be a list or a tuple of ints, or bytes of little-endian uint32s",
+    ))
+}
+
+fn unpack(packed: &[u8]) -> PyResult<Vec<u64>> {
+    if packed.len() % PACKED_TOKEN_BYTES != 0 {
+        return Err(PyValueError::new_err(format!(
+            "packed token ids are {PACKED_TOKEN_BYTES} bytes each: {} bytes is not a whole number",
+            packed.len()
+        )));
+    }
+    let chunks = packed.chunks_exact(PACKED_TOKEN_BYTES);
+    Ok(chunks
+        .map(|c| u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+        .collect())
 }
 
 fn token(item: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -117,7 +149,10 @@ fn block_hashes<'py>(
     let hash_fn = HashFn::named(hash_fn)?;
     let token_ids = tokens(token_ids)?;
     let digests = py.allow_threads(|| chain(hash_fn, parent, &token_ids, block_size, lookahead))?;
-    Ok(digests.iter().map(|digest| PyBytes::new(py, digest)).collect())
+    Ok(digests
+        .iter()
+        .map(|digest| PyBytes::new(py, digest))
+        .collect())
 }
 
 /// The same blocks' hashes in vLLM's external form: each digest's last 8 bytes, big-endian.

@@ -11,7 +11,7 @@ from pathlib import Path
 SCORE = Path(__file__).resolve().parents[2] / "benchmarks" / "score.py"
 
 
-def test_every_prompt_size_and_hashing_is_measured_over_http_beside_its_floor_and_steps(
+def test_every_prompt_size_hashing_and_form_is_measured_over_http_beside_its_floor_and_steps(
     tmp_path: Path,
 ) -> None:
     report_path = tmp_path / "score.json"
@@ -23,12 +23,14 @@ def test_every_prompt_size_and_hashing_is_measured_over_http_beside_its_floor_an
     )
     assert run.returncode == 0, run.stderr
     report = json.loads(report_path.read_text())
-    rows = {(row["tokens"], row["hashing"]): row for row in report["rows"]}
-    assert sorted(rows) == [(tokens, h) for tokens in (1024, 8192) for h in ("native", "python")]
-    for (tokens, _), row in rows.items():
+    rows = {(row["tokens"], row["hashing"], row["form"]): row for row in report["rows"]}
+    paths = [("python", "json"), ("native", "json"), ("native", "json-packed")]
+    paths.append(("native", "msgpack-packed"))
+    assert sorted(rows) == sorted((tokens, *path) for tokens in (1024, 8192) for path in paths)
+    for (tokens, _, _), row in rows.items():
         assert row["blocks"] == tokens // 16
         for measured in ("latency", "throughput", "floor_latency", "floor_throughput"):
             assert row[measured]["requests"] > 0, (tokens, measured)
             assert 0 < row[measured]["p50_us"] <= row[measured]["p99_us"]
         assert all(value > 0 for value in row["steps"].values()), row["steps"]
-    assert "8k tokens, native hashing: p50" in run.stdout
+    assert "8k tokens, fastest path (native hashing" in run.stdout

@@ -7,6 +7,7 @@ the routes the app really serves and against the bodies it really answers with.
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import subprocess
@@ -16,17 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
+import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from hmakv.consumers.api import ApiLimits, HashingDefaults, ScoreApi, build_app
+from hmakv.consumers.api import MSGPACK, ApiLimits, HashingDefaults, ScoreApi, build_app
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.metrics import index_registry
 from hmakv.consumers.stats import ScoreStats
 from hmakv.kvlog.records import EventRecord, Topics
 from hmakv.producer.events import BlockRemoved, BlockStored, ExternalBlockHash, decode
-from hmakv.producer.hashing import BlockHasher, block_extra_keys, external
+from hmakv.producer.hashing import BlockHasher, PackedTokenIds, block_extra_keys, external
 
 BLOCK = 16
 LIMITS = ApiLimits(max_body_bytes=64 * 1024, max_prompt_tokens=2048, max_prompt_blocks=128)
@@ -104,6 +106,23 @@ def by_worker(answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {hit["worker"]: hit for hit in answer["workers"]}
 
 
+def packed(tokens: list[int]) -> str:
+    """``packed_token_ids`` as JSON carries it: base64."""
+    return base64.b64encode(PackedTokenIds.pack(tokens).data).decode()
+
+
+async def post_msgpack(client: TestClient[Any, Any], body: Any) -> tuple[int, Any]:
+    """A msgpack request; its answer decoded as the JSON one is (string keys), for comparing."""
+    data = body if isinstance(body, bytes) else msgspec.msgpack.encode(body)
+    response = await client.post("/v1/score", data=data, headers={"Content-Type": MSGPACK})
+    raw = await response.read()
+    if response.content_type == MSGPACK:
+        assert response.status == 200
+        return response.status, msgspec.to_builtins(msgspec.msgpack.decode(raw), str_keys=True)
+    assert response.content_type == "application/json"  # errors are JSON in either form
+    return response.status, json.loads(raw)
+
+
 async def test_token_ids_are_hashed_as_vllm_hashes_them_and_scored_per_group(
     client: TestClient[Any, Any],
 ) -> None:
@@ -118,6 +137,27 @@ async def test_token_ids_are_hashed_as_vllm_hashes_them_and_scored_per_group(
     assert answer["best"] == "full"
     assert answer["prompt_blocks"] == 8 and answer["num_tokens"] == len(PROMPT)
     assert [hit["worker"] for hit in answer["workers"]] == ["full", "evicted", "lora"]
+
+
+@pytest.mark.parametrize(
+    ("body", "holder"),
+    [
+        ({"packed_token_ids": packed(PROMPT)}, "full"),
+        ({"packed_token_ids": packed(PROMPT), "lora_name": "adapter"}, "lora"),  # Python's path
+    ],
+    ids=["packed", "packed-lora"],
+)
+async def test_packed_token_ids_in_json_and_msgpack_answer_as_token_ids(
+    client: TestClient[Any, Any], body: dict[str, Any], holder: str
+) -> None:
+    plain = {**body, "token_ids": PROMPT}
+    del plain["packed_token_ids"]
+    status, expected = await post_score(client, plain)
+    assert status == 200 and by_worker(expected)[holder]["hit_tokens"] == 8 * BLOCK
+    assert await post_score(client, body) == (200, expected)
+    binary = {**body, "packed_token_ids": PackedTokenIds.pack(PROMPT).data}  # msgpack bin
+    assert await post_msgpack(client, binary) == (200, expected)
+    assert await post_msgpack(client, plain) == (200, expected)  # msgpack with a list of ints
 
 
 async def test_block_hashes_lora_and_worker_filter(client: TestClient[Any, Any]) -> None:
@@ -223,7 +263,17 @@ BAD_REQUESTS = [
         id="extra-keys-and-lora",
     ),
     pytest.param({"token_ids": [1] * 32, "extra_keys": [["a"]]}, 400, "extra_keys", id="few-keys"),
+    pytest.param({"packed_token_ids": ""}, 400, "packed_token_ids is empty", id="no-packed"),
+    pytest.param({"packed_token_ids": "AAAAAAA="}, 400, "4 bytes each: 5", id="packed-odd"),
+    pytest.param({"packed_token_ids": "not base64!"}, 400, "base64", id="packed-not-base64"),
+    pytest.param({"packed_token_ids": [1]}, 400, "Expected `bytes", id="packed-list"),
+    pytest.param(
+        {"packed_token_ids": packed([1]), "token_ids": [1]}, 400, "exactly one of", id="both-ids"
+    ),
     pytest.param({"token_ids": [1] * 2049}, 413, "at most 2048", id="too-many-tokens"),
+    pytest.param(
+        {"packed_token_ids": packed([1] * 2049)}, 413, "at most 2048", id="too-many-packed"
+    ),
     pytest.param({"block_hashes": [1] * 129}, 413, "at most 128", id="too-many-blocks"),
     pytest.param(b" " * (64 * 1024 + 1), 413, "larger than 65536", id="body-too-large"),
 ]
@@ -237,6 +287,25 @@ async def test_bad_requests_get_a_4xx_and_a_json_error_that_says_why(
     assert got_status == status
     assert list(answer) == ["error"]
     assert message in answer["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        pytest.param(b"", 400, "expected a msgpack map", id="empty-body"),
+        pytest.param(b"\xc1", 400, "invalid msgpack", id="not-msgpack"),
+        pytest.param([1, 2], 400, "Expected `object`", id="not-a-map"),
+        pytest.param({"packed_token_ids": b"\x01\x00"}, 400, "4 bytes each: 2", id="packed-odd"),
+        pytest.param({"block_hashes": [2**64 - 1, 1]}, 200, "", id="uint64-hashes"),
+    ],
+)
+async def test_msgpack_requests_are_checked_as_json_ones(
+    client: TestClient[Any, Any], body: Any, status: int, message: str
+) -> None:
+    got_status, answer = await post_msgpack(client, body)
+    assert got_status == status
+    if status != 200:
+        assert list(answer) == ["error"] and message in answer["error"]
 
 
 async def test_a_body_that_does_not_decompress_is_a_json_400(client: TestClient[Any, Any]) -> None:
@@ -389,8 +458,17 @@ async def test_a_lookahead_workers_blocks_are_found_from_the_prompts_token_ids()
         ({"token_ids": None, "block_hashes": HASHES[:2]}, 200),
         ({"token_ids": None, "block_hashes": None}, 400),
         ({"token_ids": PROMPT, "block_hashes": HASHES[:2]}, 400),
+        ({"packed_token_ids": packed(PROMPT), "token_ids": None}, 200),
+        ({"packed_token_ids": packed(PROMPT), "block_hashes": HASHES[:2]}, 400),
     ],
-    ids=["tokens-and-null-hashes", "null-tokens-and-hashes", "both-null", "both"],
+    ids=[
+        "tokens-and-null-hashes",
+        "null-tokens-and-hashes",
+        "both-null",
+        "both",
+        "packed-and-null-tokens",
+        "packed-and-hashes",
+    ],
 )
 async def test_the_document_says_which_prompts_the_server_takes(
     client: TestClient[Any, Any], body: dict[str, Any], status: int

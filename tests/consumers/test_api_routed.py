@@ -7,18 +7,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
+import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from test_api import BLOCK, HASHES, LIMITS, PROMPT, by_worker, fill
 
-from hmakv.consumers.api import ScoreApi, build_app
+from hmakv.consumers.api import MSGPACK, ScoreApi, build_app
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.metrics import index_registry
 from hmakv.consumers.speculation import DEFAULT_CEILING_S, DEFAULT_TTL_S
 from hmakv.consumers.stats import ScoreStats
 from hmakv.kvlog.records import Topics
 from hmakv.producer.events import GroupSpec
+from hmakv.producer.hashing import PackedTokenIds
 
 TOKEN = "routed-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -76,6 +78,17 @@ async def test_a_routed_prompt_makes_its_worker_the_speculative_best_until_it_ex
     clock.now += DEFAULT_TTL_S
     status, answer = await post(client, "/v1/score", {"token_ids": follow_up, "workers": ["fresh"]})
     assert by_worker(answer)["fresh"]["speculative_hit_tokens"] == 0 and answer["best"] is None
+
+
+async def test_a_msgpack_routed_prompt_with_packed_ids_is_answered_in_msgpack(
+    client: TestClient[Any, Any],
+) -> None:
+    body = {"worker": "fresh", "packed_token_ids": PackedTokenIds.pack(PROMPT).data}
+    headers = {**AUTH, "Content-Type": MSGPACK}
+    response = await client.post("/v1/routed", data=msgspec.msgpack.encode(body), headers=headers)
+    assert (response.status, response.content_type) == (200, MSGPACK)
+    routed = msgspec.msgpack.decode(await response.read())
+    assert routed == {"worker": "fresh", "speculated_blocks": 16, "expires_in_s": DEFAULT_TTL_S}
 
 
 async def test_block_hashes_and_a_ttl_capped_at_the_ceiling(client: TestClient[Any, Any]) -> None:
