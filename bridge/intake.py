@@ -8,6 +8,11 @@ sleeps one ``tick`` (2 ms by default) so that the next round finds several messa
 the wait adds at most a tick to a batch's latency and divides the wake-ups by the fleet's size.
 An idle bridge sleeps on the sockets' file descriptors instead, so an idle fleet costs nothing.
 
+Traffic flows when a message woke the intake within a tick of its going idle: then a tick
+gathers more. Sparser traffic (a small fleet, a quiet hour) gains nothing from the tick, which
+would only delay each batch by up to 2 ms: after such a wake-up's round the intake goes idle at
+once, and the next message wakes it as it arrives.
+
 A full Kafka queue stops the whole intake before anything is received: what the engines send
 meanwhile waits in the ZMQ queues and, past their high-water marks, in the engines' replay rings.
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
@@ -73,9 +79,11 @@ class Intake:
         tick: float = DEFAULT_TICK_S,
         round_limit: int = DEFAULT_ROUND_LIMIT,
         round_messages: int = DEFAULT_ROUND_MESSAGES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._wait_for_room = wait_for_room
         self._tick = tick
+        self._clock = clock
         self._round_limit = round_limit
         self._round_messages = round_messages
         self._sockets: dict[_Sub, _Registration] = {}
@@ -102,19 +110,22 @@ class Intake:
             self._loop.remove_reader(registration.fd)
 
     async def run(self) -> None:
+        idle_since = -self._tick  # the first message finds traffic sparse
         while True:
             for registration in self._sockets.values():
                 if registration.fd not in self._watched:
                     self._watch(registration.fd)
             await self._signal.wait()
             self._signal.clear()
+            flowing = self._clock() - idle_since < self._tick
             while True:
                 await self._wait_for_room()
                 received, more = self._round()
-                if not received:
+                if not received or not (more or flowing):
                     break
                 # Let the next messages gather, unless a socket had more than a round's worth.
                 await asyncio.sleep(0 if more else self._tick)
+            idle_since = self._clock()
 
     def _watch(self, fd: int) -> None:
         self._watched.add(fd)

@@ -103,6 +103,41 @@ async def test_every_socket_delivers_everything_in_order_several_messages_a_roun
     assert max(rounds) > 1, "every round took one message: nothing was batched"
 
 
+class Clock:
+    """The intake's clock, moved by the test: how long the intake was idle is what it says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_sparse_traffic_is_taken_as_it_arrives_and_flowing_traffic_waits_a_tick() -> None:
+    """A message more than a tick after the intake went idle is taken at once, and the intake
+    goes idle again; one within a tick means traffic flows: its round is followed by a tick's
+    sleep (30 s here, so that a message sent during it visibly waits)."""
+    clock = Clock()
+    intake = Intake(Gate().wait, tick=30.0, clock=clock)
+    received: list[bytes] = []
+    with pub_sub_pairs(1) as pairs:
+        await subscribed(pairs)
+        pub, sub = pairs[0]
+        intake.add(sub, lambda messages: received.extend(m[1] for m in messages))
+        async with running(intake):
+            for n in range(3):  # each a minute after the intake went idle: no tick between
+                clock.now += 60.0
+                pub.send_multipart([b"t", str(n).encode()])
+                await until(lambda n=n: len(received) == n + 1, f"sparse message {n}")
+                await asyncio.sleep(0.01)  # the intake goes idle
+            pub.send_multipart([b"t", b"flowing"])  # 0 s after it went idle: traffic flows
+            await until(lambda: received[-1] == b"flowing", "the flowing message")
+            pub.send_multipart([b"t", b"next"])
+            # Not a timing assertion: the intake sleeps its 30 s tick before the next round.
+            await asyncio.sleep(0.1)
+            assert received == [b"0", b"1", b"2", b"flowing"]
+
+
 async def test_nothing_is_received_while_the_queue_is_full_and_everything_after() -> None:
     gate = Gate()
     intake = Intake(gate.wait, tick=0.001)
