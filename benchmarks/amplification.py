@@ -22,14 +22,16 @@ import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from harness import group_store, write_report
+from harness import write_report
 
 from hmakv.bridge.fanout import fan_out
 from hmakv.bridge.frames import EventLimits, Rejected, decode_payload
 from hmakv.consumers.index import KVIndex
+from hmakv.fleet.engines import group_store
 from hmakv.kvlog.records import decode_event_record, encode
-from hmakv.producer.events import ExternalBlockHash, KVEventBatch
+from hmakv.producer.events import ExternalBlockHash, KVEvent, KVEventBatch
 from hmakv.producer.events import encode as encode_batch
 from hmakv.producer.protocol import SeqFrames
 
@@ -49,7 +51,7 @@ class Case:
     def batch(self) -> KVEventBatch:
         rng = random.Random(SEED)
         groups = ((0, "full_attention", None), (1, "sliding_window", 128))
-        events = []
+        events: list[KVEvent] = []
         for store in range(self.stores):
             hashes: list[ExternalBlockHash] = (
                 list(range(store * self.hashes_per_store, (store + 1) * self.hashes_per_store))
@@ -80,7 +82,9 @@ def through_pipeline(payload: bytes, limits: EventLimits, index: KVIndex) -> str
     return f"applied, {index.counters.blocks_refused} blocks refused"
 
 
-def measure(payload: bytes, limits: EventLimits, make_index: Callable[[], KVIndex]) -> dict:
+def measure(
+    payload: bytes, limits: EventLimits, make_index: Callable[[], KVIndex]
+) -> dict[str, Any]:
     index = make_index()
     gc.collect()
     tracemalloc.start()

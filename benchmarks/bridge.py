@@ -38,27 +38,30 @@ import asyncio
 import multiprocessing as mp
 import os
 import platform
-import signal
 import statistics
-import subprocess
-import sys
 import time
-import urllib.request
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import zmq
-from aiokafka import AIOKafkaProducer
-from harness import GroupOf, group_store, write_report
+from harness import write_report
 
 from hmakv.bridge.fanout import fan_out
 from hmakv.bridge.readable import take_ready
-from hmakv.kafka import ApacheKafkaBroker, unique_topic
-from hmakv.kafka.process import free_port
+from hmakv.demo.promtext import MetricsPage
+from hmakv.fleet.ceilings import (
+    RECEIVE_LIMIT,
+    START_SEQ,
+    Encoded,
+    append_ceiling,
+    receive_ceiling,
+    send_chunk,
+)
+from hmakv.fleet.engines import EngineSpec, ExpectedState, engines
+from hmakv.fleet.services import PARTITIONS, ServiceProcess, apache_kafka, bridge_service
+from hmakv.kafka import unique_topic
 from hmakv.kvlog import records
 from hmakv.kvlog.kafka_client import (
     TopicSpec,
@@ -68,15 +71,8 @@ from hmakv.kvlog.kafka_client import (
     start_producer,
 )
 from hmakv.kvlog.records import Topics
-from hmakv.producer.events import (
-    BlockRemoved,
-    BlockStored,
-    ExternalBlockHash,
-    KVEventBatch,
-    decode,
-)
-from hmakv.producer.protocol import decode_seq, encode_seq
-from hmakv.producer.publisher import ZmqEventPublisher
+from hmakv.producer.events import decode
+from hmakv.producer.protocol import decode_seq
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "bridge.json"
 TARGET_RATE = 10_000  # batches/s, all engines together, for the latency target
@@ -84,152 +80,9 @@ TARGET_RATE = 10_000  # batches/s, all engines together, for the latency target
 # up; latency is also reported without the batches published in them ("warm" columns).
 WARMUP_S = 2.0
 TARGETS = {"throughput_vs_ceiling": 0.5, "p99_ms_at_fixed_rate": 25.0}
-PARTITIONS = 6
 GAPS_DETECTED = "hmakv_bridge_gaps_detected_total"
-# The engines are stand-ins sharing this machine's cores with the bridge and Kafka: their idle
-# publisher threads look for work every 5 ms instead of every 1 ms (16 threads polling each
-# millisecond cost half a core here). It adds up to 5 ms to the measured latency.
-ENGINE_FLUSH_MS = 5
 APPEND_TIME = "LogAppendTime"  # record timestamps set by the broker: the end of added latency
-GROUPS: tuple[GroupOf, ...] = ((0, "full_attention", None), (1, "sliding_window", 128))
-START_SEQ = encode_seq(0)  # an engine's seq 0: the clear it publishes when it starts
-RECEIVE_LIMIT = 1024  # messages the bare loops take from one socket per turn
-
-
-def step_batch(step: int, engine: int) -> KVEventBatch:
-    """A typical step: 6 stores of 4 blocks x 16 tokens (3 per group), 2 removals."""
-    events: list[BlockStored | BlockRemoved] = []
-    for i in range(6):
-        base = (engine << 40) + step * 100 + i * 4
-        hashes: list[ExternalBlockHash] = [
-            (base + j) * 0x9E3779B97F4A7C15 % 2**64 for j in range(4)
-        ]
-        events.append(group_store(hashes, GROUPS[i % 2], list(range(64))))
-    for group, _, _ in GROUPS:
-        events.append(BlockRemoved([(engine << 40) + step], "GPU", group_idx=group))
-    return KVEventBatch(time.time(), list(events), 0)
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free ports below the ephemeral range: one that ``bind(0)`` hands out can become
-    the local end of a Kafka client's connection before the engine or bridge binds it (seen
-    with 64 engines: the bridge's health port was taken)."""
-    ports: set[int] = set()
-    while len(ports) < count:
-        ports.add(free_port())
-    return sorted(ports)
-
-
-# --- engines -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    index: int
-    port: int
-    replay_port: int
-
-
-def engine_main(specs: list[EngineSpec], count: int, rate: float, go: Event, stop: Event) -> None:
-    """Several engines' publishers: publish ``count`` steps on each at ``rate`` per second and
-    engine (0: flat out), then keep the replay rings up until told to stop, since the bridge may
-    still be catching up from them."""
-    publishers = [
-        ZmqEventPublisher(
-            0,
-            f"tcp://*:{spec.port}",  # a wildcard binds, as vLLM's default endpoint does
-            f"tcp://127.0.0.1:{spec.replay_port}",
-            buffer_steps=count + 1,
-            max_queue_size=count + 1,
-            flush_interval_ms=ENGINE_FLUSH_MS,
-        )
-        for spec in specs
-    ]
-    # The events are built before the clock starts; each batch is stamped when published.
-    steps = {
-        spec.index: [step_batch(step, spec.index).events for step in range(1, count + 1)]
-        for spec in specs
-    }
-    go.wait()
-    started = time.monotonic()
-    for step in range(1, count + 1):
-        if rate:
-            delay = started + step / rate - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-        for spec, publisher in zip(specs, publishers, strict=True):
-            publisher.publish(KVEventBatch(time.time(), steps[spec.index][step - 1], 0))
-    stop.wait()
-    for publisher in publishers:
-        publisher.shutdown()
-
-
-@contextmanager
-def engines(count: int, steps: int, rate: float) -> Iterator[tuple[list[EngineSpec], Event]]:
-    """Engine processes, waiting for the returned event to start publishing.
-
-    The engines are stand-ins that share this machine's two cores with the bridge and Kafka, so
-    they are as cheap as they can be: one process per core, each publishing for its share of
-    the engines (every engine still has its own publisher, sockets, sequence and ring).
-    """
-    ctx = mp.get_context("spawn")
-    go, stop = ctx.Event(), ctx.Event()
-    ports = free_ports(2 * count)
-    specs = [EngineSpec(i, ports[2 * i], ports[2 * i + 1]) for i in range(count)]
-    hosts = min(count, os.cpu_count() or 1)
-    processes = [
-        ctx.Process(
-            target=engine_main, args=(specs[host::hosts], steps, rate, go, stop), daemon=True
-        )
-        for host in range(hosts)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        yield specs, go
-    finally:
-        stop.set()
-        for process in processes:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
-
-
-# --- ceiling (a): receive and decode only --------------------------------------------------------
-
-
-def sub_ceiling_main(ports: list[int], expected: int, ready: Event, result: mp.Queue) -> None:  # type: ignore[type-arg]
-    """Receive and decode only, draining each ready socket as the bridge does."""
-    with zmq.Context() as ctx:
-        sockets = []
-        poller = zmq.Poller()
-        for port in ports:
-            sub = ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.RCVHWM, 100_000)
-            sub.connect(f"tcp://127.0.0.1:{port}")
-            sub.subscribe(b"")
-            poller.register(sub, zmq.POLLIN)
-            sockets.append(sub)
-        time.sleep(1.0)  # let every subscription reach its engine
-        ready.set()
-        received = events = 0
-        first = last = 0.0
-        while received < expected:
-            ready_sockets = poller.poll(2000)
-            if not ready_sockets:
-                break
-            for sub, _ in ready_sockets:
-                for frames in take_ready(sub, RECEIVE_LIMIT):
-                    batch = decode(frames[2]).batch
-                    if frames[1] == START_SEQ:  # the engine's start-up clear, not a step
-                        continue
-                    received += 1
-                    events += len(batch.events)
-                    last = time.monotonic()
-                    first = first or last
-        for sub in sockets:
-            sub.close(linger=0)
-    result.put({"received": received, "events": events, "seconds": max(last - first, 1e-9)})
+# --- receiving, one await per message (the ceiling is hmakv.fleet.ceilings.receive_main) ----
 
 
 def awaited_sub_main(ports: list[int], expected: int, ready: Event, result: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -268,81 +121,6 @@ def awaited_sub_main(ports: list[int], expected: int, ready: Event, result: mp.Q
         return {"received": counts[0], "events": counts[1], "seconds": seconds}
 
     result.put(asyncio.run(run()))
-
-
-def sub_ceiling(engine_count: int, steps: int, target: Callable[..., None]) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    with engines(engine_count, steps, 0) as (specs, go):
-        ready, result = ctx.Event(), ctx.Queue()
-        expected = engine_count * steps
-        process = ctx.Process(
-            target=target, args=([s.port for s in specs], expected, ready, result)
-        )
-        process.start()
-        ready.wait(30)
-        go.set()
-        outcome: dict[str, float] = result.get(timeout=300)
-        process.join()
-    outcome["batches_per_s"] = outcome["received"] / outcome["seconds"]
-    outcome["events_per_s"] = outcome["events"] / outcome["seconds"]
-    outcome["lost"] = expected - outcome["received"]
-    return outcome
-
-
-# --- ceiling (b): aiokafka send_batch of pre-encoded records --------------------------------------
-
-
-Encoded = tuple[bytes, bytes, list[tuple[str, bytes]]]  # key, value, headers
-
-
-async def send_chunk(
-    producer: AIOKafkaProducer, topic: str, partition: int, chunk: list[Encoded]
-) -> list[asyncio.Future[object]]:
-    """One partition's records as few record batches as fit; their delivery futures."""
-    futures = []
-    builder = producer.create_batch()
-    for key, value, headers in chunk:
-        if builder.append(timestamp=None, key=key, value=value, headers=headers) is None:
-            builder.close()
-            futures.append(await producer.send_batch(builder, topic, partition=partition))
-            builder = producer.create_batch()
-            builder.append(timestamp=None, key=key, value=value, headers=headers)
-    builder.close()
-    futures.append(await producer.send_batch(builder, topic, partition=partition))
-    return futures
-
-
-async def kafka_ceiling(bootstrap: str, batches: int) -> dict[str, float]:
-    topic = unique_topic("bench-ceiling")
-    await ensure_topics(bootstrap, [TopicSpec(topic, PARTITIONS)])
-    encoded = [
-        (records.event_key(r.worker, r.group_idx), records.encode(r), r.headers())
-        for step in range(batches)
-        for r in fan_out(f"w{step % 16}", 0, step, step_batch(step, step % 16), (0, 1))
-    ]
-    started_producer = await start_producer(
-        bootstrap, client_id="bench-ceiling", linger_ms=0, max_batch_size=512 * 1024
-    )
-    producer = started_producer.producer
-    partitions = sorted(await producer.partitions_for(topic))
-    started = time.monotonic()
-    in_flight: list[asyncio.Future[object]] = []
-    for offset in range(0, len(encoded), 4096):
-        by_partition: dict[int, list[Encoded]] = defaultdict(list)
-        for key, value, headers in encoded[offset : offset + 4096]:
-            by_partition[partition_for(key, partitions)].append((key, value, headers))
-        for partition, chunk in by_partition.items():
-            in_flight += await send_chunk(producer, topic, partition, chunk)
-    await asyncio.gather(*in_flight)
-    seconds = time.monotonic() - started
-    await producer.stop()
-    return {
-        "batches_per_s": batches / seconds,
-        "records_per_s": len(encoded) / seconds,
-        "events_per_s": batches * 8 / seconds,
-        "seconds": seconds,
-        "idempotent": float(started_producer.idempotent),
-    }
 
 
 # --- baseline: a bare forwarder ------------------------------------------------------------------
@@ -441,7 +219,7 @@ def forwarder_run(
     seconds = check["last_append"] - published_at
     return {
         "batches_per_s": engine_count * steps / seconds,
-        "events_per_s": engine_count * steps * 8 / seconds,
+        "events_per_s": ExpectedState.of(engine_count, steps).events / seconds,
         **{k: check[k] for k in ("p50_ms", "p99_ms", "p50_warm_ms", "p99_warm_ms", "lost")},
         "bridge_cpu_percent": 100 * outcome["cpu_seconds"] / seconds,
         "bridge_cpu_us_per_batch": 1e6 * outcome["cpu_seconds"] / (engine_count * steps),
@@ -450,70 +228,6 @@ def forwarder_run(
 
 
 # --- the bridge ----------------------------------------------------------------------------------
-
-
-class BridgeProcess:
-    """``hmakv bridge`` following every engine, or shard ``index`` of ``shards``: engine ``i``
-    is pinned to shard ``i % shards``, since with 16 names a hash splits them only roughly
-    (e0..e15 hash 6/10 over two shards), and an operator who cares pins them the same way."""
-
-    def __init__(
-        self,
-        bootstrap: str,
-        prefix: str,
-        specs: list[EngineSpec],
-        index: int = 0,
-        shards: int = 1,
-        cpus: frozenset[int] | None = None,
-    ) -> None:
-        self.listen = free_ports(1)[0]
-        command = [sys.executable, "-m", "hmakv.cli", "--log-level", "WARNING", "bridge"]
-        command += ["--kafka", bootstrap, "--topic-prefix", prefix, "--partitions", str(PARTITIONS)]
-        command += ["--listen", f"127.0.0.1:{self.listen}", "--shard", f"{index}/{shards}"]
-        for spec in specs:
-            flag = f"e{spec.index}=tcp://127.0.0.1:{spec.port},replay=tcp://127.0.0.1:"
-            command += ["--engine", f"{flag}{spec.replay_port},shard={spec.index % shards}"]
-        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
-        self.process = subprocess.Popen(command, preexec_fn=pin)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.listen}{path}"
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url("/readyz"), timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("the bridge never became ready")
-
-    def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url("/metrics"), timeout=5) as response:
-            text = response.read().decode()
-        samples: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                samples[name] = float(value)
-        return samples
-
-    def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def peak_rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(60)
 
 
 def bridge_run(
@@ -529,7 +243,7 @@ def bridge_run(
     topics = fresh_topics(bootstrap)
     with engines(engine_count, steps, rate) as (specs, go):
         bridges = [
-            BridgeProcess(bootstrap, topics.prefix, specs, i, shards, cpus) for i in range(shards)
+            bridge_service(bootstrap, topics.prefix, specs, i, shards, cpus) for i in range(shards)
         ]
         try:
             for bridge in bridges:
@@ -538,7 +252,7 @@ def bridge_run(
             cpu_before = sum(bridge.cpu_seconds() for bridge in bridges)
             published_at = time.time()
             go.set()
-            wait_caught_up(bridges, engine_count, steps)
+            wait_caught_up(bridges, specs, steps)
             cpu = sum(bridge.cpu_seconds() for bridge in bridges) - cpu_before
             samples = merged_metrics(bridges)
             rss = max(bridge.peak_rss_mib() for bridge in bridges)
@@ -548,10 +262,10 @@ def bridge_run(
     warm_from = published_at + WARMUP_S
     check = asyncio.run(read_back(bootstrap, topics, engine_count, steps, warm_from))
     seconds = check["last_append"] - published_at
-    wakeups = samples.get("hmakv_bridge_messages_per_wakeup_count", 0.0)
+    wakeups = samples.total("hmakv_bridge_messages_per_wakeup_count")
     return {
         "batches_per_s": engine_count * steps / seconds,
-        "events_per_s": engine_count * steps * 8 / seconds,
+        "events_per_s": ExpectedState.of(engine_count, steps).events / seconds,
         "p50_ms": check["p50_ms"],
         "p99_ms": check["p99_ms"],
         "p50_warm_ms": check["p50_warm_ms"],
@@ -561,35 +275,25 @@ def bridge_run(
         "bridge_cpu_percent": 100 * cpu / seconds,
         "bridge_cpu_us_per_batch": 1e6 * cpu / (engine_count * steps),
         "bridge_peak_rss_mib": rss,
-        "messages_per_wakeup": samples.get("hmakv_bridge_messages_per_wakeup_sum", 0.0)
+        "messages_per_wakeup": samples.total("hmakv_bridge_messages_per_wakeup_sum")
         / max(wakeups, 1.0),
-        "gaps_detected": sum(
-            v for k, v in samples.items() if k.startswith("hmakv_bridge_gaps_detected_total")
-        ),
+        "gaps_detected": samples.total(GAPS_DETECTED),
         "seconds": seconds,
         "shards": shards,
     }
 
 
-def merged_metrics(bridges: list[BridgeProcess]) -> dict[str, float]:
-    """Every bridge's samples, summed where several have the same one."""
-    merged: dict[str, float] = defaultdict(float)
-    for bridge in bridges:
-        for name, value in bridge.metrics().items():
-            merged[name] += value
-    return merged
+def merged_metrics(bridges: list[ServiceProcess]) -> MetricsPage:
+    """Every bridge's samples on one page (their sums are the fleet's)."""
+    return MetricsPage(sample for bridge in bridges for sample in bridge.metrics().samples())
 
 
-def wait_caught_up(bridges: list[BridgeProcess], engine_count: int, steps: int) -> None:
+def wait_caught_up(bridges: list[ServiceProcess], specs: list[EngineSpec], steps: int) -> None:
     """Until Kafka acknowledged every engine's last step (a bridge forwards in order)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        samples = merged_metrics(bridges)
-        done = [
-            samples.get(f'hmakv_bridge_worker_last_seq{{worker="e{i}"}}', -1) >= steps
-            for i in range(engine_count)
-        ]
-        if all(done):
+        last_seqs = merged_metrics(bridges).by_label("hmakv_bridge_worker_last_seq", "worker")
+        if all(last_seqs.get(spec.name, -1) >= steps for spec in specs):
             return
         # A scrape costs a bridge a few ms (2.6% of its CPU at 4 per second): not the load to
         # measure. Throughput comes from the broker's append times, not from this loop.
@@ -704,15 +408,6 @@ def targets(
     }
 
 
-@contextmanager
-def kafka(bootstrap: str | None) -> Iterator[str]:
-    if bootstrap:
-        yield bootstrap
-        return
-    with ApacheKafkaBroker() as broker:
-        yield broker.bootstrap
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", type=int, default=16)
@@ -747,14 +442,15 @@ def main(argv: list[str] | None = None) -> None:
         pinned_main(args)
         return
     args.json = args.json or DEFAULT_JSON
-    total = args.engines * args.steps
     load_before = os.getloadavg()
     rows: dict[str, dict[str, float]] = {}
-    with kafka(args.kafka) as bootstrap:
-        rows["ceiling: SUB + decode"] = sub_ceiling(args.engines, args.steps, sub_ceiling_main)
-        rows["ceiling: send_batch"] = asyncio.run(kafka_ceiling(bootstrap, total))
+    with apache_kafka(args.kafka) as bootstrap:
+        rows["ceiling: SUB + decode"] = receive_ceiling(args.engines, args.steps)
+        rows["ceiling: send_batch"] = asyncio.run(
+            append_ceiling(bootstrap, args.engines, args.steps, PARTITIONS)
+        )
         ceiling = min(row["batches_per_s"] for row in rows.values())
-        rows["SUB + decode, awaited"] = sub_ceiling(args.engines, args.steps, awaited_sub_main)
+        rows["SUB + decode, awaited"] = receive_ceiling(args.engines, args.steps, awaited_sub_main)
         # The latency target's rate, unless this machine's ceilings are too low for it.
         rate = TARGET_RATE if ceiling >= 2 * TARGET_RATE else int(ceiling / 2 // 100 * 100)
         fixed = f"bridge: fixed {rate:,}/s"
@@ -808,7 +504,7 @@ def pinned_main(args: argparse.Namespace) -> None:
     os.sched_setaffinity(0, others)
     rate = TARGET_RATE / args.engines
     rows: dict[str, dict[str, float]] = {}
-    with kafka(args.kafka) as bootstrap:
+    with apache_kafka(args.kafka) as bootstrap:
         for pair in range(1, args.pin + 1):
             rows[f"forwarder, pinned, {pair}"] = forwarder_run(
                 bootstrap, args.engines, args.steps, rate, alone

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: waiting for a ZMQ subscriber, writing the JSON report.
+"""What the benchmark scripts share: waiting for a ZMQ subscriber, a quantile, the JSON report.
+(The stand-in engines' stores, ``group_store``, are ``hmakv.fleet.engines``'.)
 
 A script run as ``python benchmarks/NAME.py`` has this folder first on sys.path, so it imports
 this module as ``harness``.
@@ -13,30 +14,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from hmakv.producer.events import BlockStored, ExternalBlockHash, KVEventBatch
+from hmakv.producer.events import KVEventBatch
 from hmakv.producer.recorder import BatchSink
-
-GroupOf = tuple[int, str, int | None]
-"""A benchmark's KV-cache group: its index, kind and sliding window."""
-
-
-def group_store(
-    block_hashes: list[ExternalBlockHash], group: GroupOf, token_ids: list[int] | None = None
-) -> BlockStored:
-    """A GPU store of 16-token blocks in ``group``, as vLLM reports it for a hybrid model."""
-    group_idx, kind, window = group
-    return BlockStored(
-        block_hashes,
-        None,
-        token_ids or [],
-        16,
-        None,
-        "GPU",
-        None,
-        group_idx=group_idx,
-        kv_cache_spec_kind=kind,
-        kv_cache_spec_sliding_window=window,
-    )
 
 
 def wait_for_subscriber(ready: Connection, publisher: BatchSink) -> None:

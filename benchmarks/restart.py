@@ -38,10 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import GroupOf, group_store, write_report
+from harness import write_report
 
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.snapshots import FileSnapshotStore, KafkaSnapshotStore, SnapshotStore, pack
+from hmakv.fleet.engines import GroupOf, group_store
 from hmakv.kafka import ApacheKafkaBroker, unique_topic
 from hmakv.kvlog.kafka_client import TopicSpec, ensure_topics, start_producer
 from hmakv.kvlog.records import EventRecord, Topics, encode, event_key

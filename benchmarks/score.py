@@ -40,12 +40,13 @@ from unittest import mock
 import aiohttp
 import msgspec
 from aiohttp import web
-from harness import GroupOf, group_store, quantile, write_report
+from harness import quantile, write_report
 
 from hmakv.consumers.api import MSGPACK, HashingDefaults, ScoreApi, ScoreRequest, build_app
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.metrics import index_registry
 from hmakv.consumers.stats import ScoreStats
+from hmakv.fleet.engines import GroupOf, group_store
 from hmakv.kafka.process import free_port
 from hmakv.kvlog.answers import ScoreResponse
 from hmakv.kvlog.records import EventRecord, Topics

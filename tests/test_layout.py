@@ -37,6 +37,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "hmakv.demo": frozenset(
         {"hmakv.producer", "hmakv.kvlog", "hmakv.kafka", "hmakv.vllm", "hmakv.routing"}
     ),
+    # The fleet benchmark runs the services as processes, the hops' ceilings in its own, and
+    # reads the services' metrics pages as the demo does.
+    "hmakv.fleet": frozenset(
+        {"hmakv.producer", "hmakv.kvlog", "hmakv.bridge", "hmakv.kafka", "hmakv.demo"}
+    ),
     # The routing study runs the engine, the bridge's fan-out and the index in one process.
     "hmakv.routing": frozenset(
         {"hmakv.producer", "hmakv.kvlog", "hmakv.bridge", "hmakv.consumers"}

@@ -9,7 +9,22 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hmakv.argtypes import add_command, non_negative_float, positive_float, positive_int
+from hmakv.argtypes import (
+    add_command,
+    bootstrap_servers,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
+from hmakv.fleet.services import apache_kafka
+from hmakv.fleet.study import (
+    FleetPlan,
+    FleetSize,
+    fleet_table,
+    lossless,
+    run_fleet,
+    targets,
+)
 from hmakv.producer.engine.profiles import PROFILES
 from hmakv.routing.policies import Weights
 from hmakv.routing.study import (
@@ -24,8 +39,9 @@ from hmakv.routing.study import (
 )
 
 EXIT_OK = 0
+EXIT_FAILED = 1
 
-HELP = "benchmarks: what HMA-aware routing buys a fleet (routing)"
+HELP = "benchmarks: what HMA-aware routing buys a fleet (routing), the pipeline at scale (fleet)"
 
 DESCRIPTION = """\
 Studies of the pipeline against the designs it is an alternative to, run in this process.
@@ -35,6 +51,7 @@ EPILOG = """\
 example:
   hmakv bench routing --smoke
   hmakv bench routing --json benchmarks/results/routing.json
+  hmakv bench fleet --json benchmarks/results/fleet.json
 """
 
 ROUTING_DESCRIPTION = """\
@@ -45,6 +62,30 @@ index with llm-d's load scorers), removal-means-gone and full-attention-only (gr
 indexes fed the same events), approximate (the router's own history, no events), least-loaded,
 round-robin. Prints one row per (profile, workload, router) and writes the reports as JSON.
 """
+
+
+FLEET_DESCRIPTION = """\
+Stand-in engines (the producer's own ZMQ publisher each, synthetic steps of 8 events in two
+cache groups, no model or scheduler) -> hmakv bridge -> Apache Kafka -> hmakv index, each
+service its own process, for each fleet size: a run at a fixed total rate and one as fast as the
+engines publish, each until the index applied every step; in the same run each hop alone
+(receive and decode, Kafka append, fetch and decode, the index catching up). Prints batches and
+block events per second, event age (engine batch to index apply) p50/p99/max, the bridge's and
+the index's CPU and peak RSS, loss (every worker's state in the index is checked against what
+the engines published), each hop's efficiency and how cost grows with the fleet; exits 1 on any
+loss. See hmakv/fleet/README.md.
+"""
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(positive_int(part) for part in text.split(","))
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from exc
+    return counts
+
+
+_counts.__name__ = "N[,...]"
 
 
 def _names(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
@@ -110,6 +151,68 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     add("--json", type=Path, help="write the reports here as JSON")
     routing.set_defaults(func=run_routing)
+    _register_fleet(studies)
+
+
+def _register_fleet(studies: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    fleet = add_command(
+        studies,
+        "fleet",
+        help="engines -> bridge -> Kafka -> index end to end, each hop beside its ceiling",
+        description=FLEET_DESCRIPTION,
+        parent="bench",
+    )
+    add = fleet.add_argument
+    add("--engines", type=_counts, default=FleetPlan.engine_counts, help="fleet sizes to run")
+    add("--rate", type=positive_float, default=FleetPlan.rate, help="fixed total batches/s")
+    add("--duration", type=positive_float, default=FleetPlan.duration_s, help="seconds per run")
+    add(
+        "--no-max-rate",
+        action="store_true",
+        help="only the fixed-rate runs: no max-rate run, no hop alone",
+    )
+    add(
+        "--kafka",
+        type=bootstrap_servers,
+        metavar="HOST:PORT[,...]",
+        help="an Apache Kafka to use (default: start one from its jars)",
+    )
+    add("--smoke", action="store_true", help="4 engines, 500 batches/s, 2 s: correctness only")
+    add("--json", type=Path, help="write the report here as JSON")
+    fleet.set_defaults(func=run_fleet_study)
+
+
+def fleet_plan_of(args: argparse.Namespace) -> FleetPlan:
+    if args.smoke:
+        return FleetPlan(engine_counts=(4,), rate=500.0, duration_s=2.0)
+    return FleetPlan(
+        engine_counts=args.engines,
+        rate=args.rate,
+        duration_s=args.duration,
+        max_rate=not args.no_max_rate,
+    )
+
+
+def run_fleet_study(args: argparse.Namespace) -> int:
+    plan = fleet_plan_of(args)
+    sizes: list[FleetSize] = []
+    with apache_kafka(args.kafka) as bootstrap:
+        for size in run_fleet(plan, bootstrap):
+            sizes.append(size)
+            print(f"{size.engines} engines: done", file=sys.stderr)
+    print(fleet_table(sizes))
+    met = targets(sizes)
+    print("targets:", "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in met.items()))
+    if args.json is not None:
+        report = {
+            "command": " ".join(["hmakv", *sys.argv[1:]]),
+            "plan": dataclasses.asdict(plan),
+            "sizes": [dataclasses.asdict(size) for size in sizes],
+            "targets": met,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return EXIT_OK if lossless(sizes) else EXIT_FAILED
 
 
 def plan_of(args: argparse.Namespace) -> StudyPlan:

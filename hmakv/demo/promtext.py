@@ -8,7 +8,7 @@ the questions the demo asks.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,6 +36,10 @@ class MetricsPage:
             for family in text_string_to_metric_families(text)
             for sample in family.samples
         )
+
+    def samples(self) -> Iterator[Sample]:
+        for samples in self._by_name.values():
+            yield from samples
 
     def has(self, name: str) -> bool:
         return name in self._by_name

@@ -92,6 +92,7 @@ SAMPLES = {
     "PROFILE[,...]": "gpt-oss-like,gemma3-like",
     "WORKLOAD[,...]": "chat,burst",
     "ROUTER[,...]": "hmakv,round-robin",
+    "N[,...]": "4,16",
 }
 
 

@@ -1,0 +1,1 @@
+"""``hmakv bench fleet``: the whole pipeline at fleet scale, each hop beside its ceiling."""
