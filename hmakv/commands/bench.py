@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hmakv.argtypes import (
@@ -15,6 +15,15 @@ from hmakv.argtypes import (
     non_negative_float,
     positive_float,
     positive_int,
+)
+from hmakv.fleet.scale import (
+    SHARED_BLOCKS,
+    SHARED_PROMPTS,
+    TARGET_WORKERS,
+    ScalePlan,
+    measure_alone,
+    scale_table,
+    scale_targets,
 )
 from hmakv.fleet.services import apache_kafka
 from hmakv.fleet.study import (
@@ -40,8 +49,12 @@ from hmakv.routing.study import (
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+EXIT_USAGE = 2
 
-HELP = "benchmarks: what HMA-aware routing buys a fleet (routing), the pipeline at scale (fleet)"
+HELP = (
+    "benchmarks: what HMA-aware routing buys a fleet (routing), the pipeline at scale (fleet), "
+    "one index at fleet scale (scale)"
+)
 
 DESCRIPTION = """\
 Studies of the pipeline against the designs it is an alternative to, run in this process.
@@ -52,6 +65,7 @@ example:
   hmakv bench routing --smoke
   hmakv bench routing --json benchmarks/results/routing.json
   hmakv bench fleet --json benchmarks/results/fleet.json
+  hmakv bench scale --workers 64,1000 --blocks 100000
 """
 
 ROUTING_DESCRIPTION = """\
@@ -74,6 +88,16 @@ block events per second, event age (engine batch to index apply) p50/p99/max, th
 the index's CPU and peak RSS, loss (every worker's state in the index is checked against what
 the engines published), each hop's efficiency and how cost grows with the fleet; exits 1 on any
 loss. See hmakv/fleet/README.md.
+"""
+
+
+SCALE_DESCRIPTION = """\
+One index in a fresh process of its own, for each number of workers: every worker holds --blocks
+blocks in each of two cache groups (full attention and a 128-token window; 16 system prompts
+shared by the whole fleet, the rest its own), applied as the bridge's records; then 8k-token
+prompts (a system prompt and one worker's conversation) scored as /v1/score scores them, with
+and without details. Prints the build's block updates per second, RSS and bytes per resident
+entry, score p50/p99, and whether each prompt's best worker was the one holding it.
 """
 
 
@@ -152,6 +176,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     add("--json", type=Path, help="write the reports here as JSON")
     routing.set_defaults(func=run_routing)
     _register_fleet(studies)
+    _register_scale(studies)
 
 
 def _register_fleet(studies: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -182,6 +207,45 @@ def _register_fleet(studies: argparse._SubParsersAction) -> None:  # type: ignor
     fleet.set_defaults(func=run_fleet_study)
 
 
+def _register_scale(studies: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    scale = add_command(
+        studies,
+        "scale",
+        help="one index at fleet scale: memory and score latency at 1,000 workers",
+        description=SCALE_DESCRIPTION,
+        parent="bench",
+    )
+    add = scale.add_argument
+    add("--workers", type=_counts, default=(64, TARGET_WORKERS), help="fleet sizes, in order")
+    add(
+        "--blocks",
+        type=positive_int,
+        default=ScalePlan.blocks,
+        help=f"resident blocks per worker and group (at least {SHARED_PROMPTS * SHARED_BLOCKS:,}"
+        " + the prompt's)",
+    )
+    add("--prompts", type=positive_int, default=ScalePlan.prompts, help="prompts scored")
+    add("--smoke", action="store_true", help="16 and 64 workers x 4,096 blocks: correctness only")
+    add("--json", type=Path, help="write the reports here as JSON")
+    scale.set_defaults(func=run_scale_study)
+
+
+def run_scale_study(args: argparse.Namespace) -> int:
+    workers, blocks = ((16, 64), 4096) if args.smoke else (args.workers, args.blocks)
+    if blocks < SHARED_PROMPTS * SHARED_BLOCKS + 2 * ScalePlan.prompt_blocks:
+        print(f"--blocks {blocks}: too few for the system prompts and a prompt", file=sys.stderr)
+        return EXIT_USAGE
+    reports = []
+    for count in workers:
+        reports.append(measure_alone(ScalePlan(count, blocks, args.prompts)))
+        print(f"{count} workers: done", file=sys.stderr)
+    print(scale_table(reports))
+    met = scale_targets(reports)
+    _report_targets(met, args.json, {"reports": [dataclasses.asdict(r) for r in reports]})
+    right = all(r.best_hits_right == r.prompts for r in reports)
+    return EXIT_OK if right else EXIT_FAILED
+
+
 def fleet_plan_of(args: argparse.Namespace) -> FleetPlan:
     if args.smoke:
         return FleetPlan(engine_counts=(4,), rate=500.0, duration_s=2.0)
@@ -202,16 +266,8 @@ def run_fleet_study(args: argparse.Namespace) -> int:
             print(f"{size.engines} engines: done", file=sys.stderr)
     print(fleet_table(sizes))
     met = targets(sizes)
-    print("targets:", "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in met.items()))
-    if args.json is not None:
-        report = {
-            "command": " ".join(["hmakv", *sys.argv[1:]]),
-            "plan": dataclasses.asdict(plan),
-            "sizes": [dataclasses.asdict(size) for size in sizes],
-            "targets": met,
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    report = {"plan": dataclasses.asdict(plan), "sizes": [dataclasses.asdict(s) for s in sizes]}
+    _report_targets(met, args.json, report)
     return EXIT_OK if lossless(sizes) else EXIT_FAILED
 
 
@@ -237,6 +293,15 @@ def plan_of(args: argparse.Namespace) -> StudyPlan:
             duration_s=3.0,
         )
     return plan
+
+
+def _report_targets(met: dict[str, bool], path: Path | None, report: Mapping[str, object]) -> None:
+    """Print the targets met and missed; write the report with them to ``path``, if given."""
+    print("targets:", "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in met.items()))
+    if path is not None:
+        command = " ".join(["hmakv", *sys.argv[1:]])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"command": command, **report, "targets": met}, indent=2) + "\n")
 
 
 def run_routing(args: argparse.Namespace) -> int:

@@ -1,0 +1,231 @@
+"""One index at fleet scale: ``workers`` x ``blocks`` resident blocks in each of two cache groups.
+
+Built in a fresh process of its own (``spawn``), so that its RSS is the index's and the
+interpreter's, nothing of the caller's: the state goes in through ``KVIndex.apply`` of the
+bridge's own records (``fan_out``), then prompts are scored as ``/v1/score`` scores them.
+
+Every worker holds the fleet's ``SHARED_PROMPTS`` system prompts (``SHARED_BLOCKS`` blocks each,
+as every engine serving the same application caches them) and its own conversations after them,
+distinct from every other worker's, in a full-attention group and a 128-token sliding-window
+group (the same hashes in both, as vLLM hashes a hybrid model's blocks). A prompt is a system
+prompt and ``prompt_blocks`` - ``SHARED_BLOCKS`` blocks of one worker's conversation: every
+worker hits the system prompt, one worker the whole prompt.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import random
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from hmakv.bridge.fanout import fan_out
+from hmakv.consumers.index import KVIndex
+from hmakv.fleet.engines import BLOCK_TOKENS, GROUPS, group_store
+from hmakv.producer.events import ExternalBlockHash, KVEventBatch
+
+TARGET_WORKERS = 1000
+TARGET_SCORE_P99_US = 1000.0
+TARGET_RSS_MIB = 4096.0
+SHARED_PROMPTS = 16
+SHARED_BLOCKS = 64  # 1,024 tokens
+STORE_BLOCKS = 1024  # blocks per stored event (a long prefill's)
+_MIX = 0x9E3779B97F4A7C15
+_SHARED_BASE = 1 << 62  # shared blocks' numbers sit above every worker's
+GROUP_IDS = [group for group, _, _ in GROUPS]
+
+
+@dataclass(frozen=True)
+class ScalePlan:
+    workers: int = 1000
+    blocks: int = 100_000  # resident per worker, in each group
+    prompts: int = 200
+    prompt_blocks: int = 512  # 8,192 tokens
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ScaleReport:
+    workers: int
+    blocks_per_worker: int
+    resident_entries: int  # (worker, group, block)
+    build_seconds: float
+    block_updates_per_s: float
+    rss_before_mib: float
+    rss_mib: float
+    peak_rss_mib: float
+    bytes_per_entry: float  # RSS growth over resident entries
+    score_p50_us: float
+    score_p99_us: float
+    hit_only_p50_us: float  # details=False
+    hit_only_p99_us: float
+    best_hits_right: (
+        int  # prompts whose best worker is the one holding them, all but the last block
+    )
+    prompts: int
+
+
+def _number(value: int) -> ExternalBlockHash:
+    return value * _MIX % 2**64  # distinct numbers give distinct hashes
+
+
+def shared_block(prompt: int, block: int) -> ExternalBlockHash:
+    return _number(_SHARED_BASE + prompt * SHARED_BLOCKS + block)
+
+
+def own_block(worker: int, block: int) -> ExternalBlockHash:
+    return _number((worker << 32) + block)
+
+
+def own_blocks(plan: ScalePlan) -> int:
+    return plan.blocks - SHARED_PROMPTS * SHARED_BLOCKS
+
+
+def worker_batches(worker: int, plan: ScalePlan) -> Iterator[KVEventBatch]:
+    """What a worker's engine stored, in events of up to ``STORE_BLOCKS`` blocks per group."""
+    hashes = [shared_block(p, b) for p in range(SHARED_PROMPTS) for b in range(SHARED_BLOCKS)]
+    hashes += [own_block(worker, b) for b in range(own_blocks(plan))]
+    for start in range(0, len(hashes), STORE_BLOCKS):
+        chunk = hashes[start : start + STORE_BLOCKS]
+        yield KVEventBatch(0.0, [group_store(chunk, group) for group in GROUPS], 0)
+
+
+def build(plan: ScalePlan) -> KVIndex:
+    index = KVIndex()
+    for worker in range(plan.workers):
+        name = f"w{worker}"
+        for seq, batch in enumerate(worker_batches(worker, plan)):
+            for record in fan_out(name, 0, seq, batch, GROUP_IDS):
+                index.apply(record)
+    return index
+
+
+def prompt(worker: int, system: int, start: int, plan: ScalePlan) -> list[ExternalBlockHash]:
+    """System prompt ``system``, then ``worker``'s conversation from its block ``start``."""
+    own = plan.prompt_blocks - SHARED_BLOCKS
+    return [shared_block(system, b) for b in range(SHARED_BLOCKS)] + [
+        own_block(worker, start + b) for b in range(own)
+    ]
+
+
+def _rss_mib(field: str = "VmRSS") -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _quantiles_us(seconds: list[float]) -> tuple[float, float]:
+    cuts = statistics.quantiles(seconds, n=100)
+    return 1e6 * cuts[49], 1e6 * cuts[98]
+
+
+def measure(plan: ScalePlan) -> ScaleReport:
+    """Build the index and score ``plan.prompts`` prompts; run it in a fresh process."""
+    gc.collect()
+    rss_before = _rss_mib()
+    started = time.perf_counter()
+    index = build(plan)
+    build_seconds = time.perf_counter() - started
+    gc.collect()
+    rss = _rss_mib()
+    entries = plan.workers * plan.blocks * len(GROUPS)
+    rng = random.Random(plan.seed)
+    own = own_blocks(plan)
+    cases = [
+        (rng.randrange(plan.workers), rng.randrange(SHARED_PROMPTS), rng.randrange(own // 2))
+        for _ in range(plan.prompts)
+    ]
+    num_tokens = plan.prompt_blocks * BLOCK_TOKENS
+    full, hit_only, right = [], [], 0
+    for worker, system, start in cases:
+        hashes = prompt(worker, system, start, plan)
+        began = time.perf_counter()
+        hits = index.score(hashes, num_tokens)
+        full.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        index.score(hashes, num_tokens, details=False)
+        hit_only.append(time.perf_counter() - began)
+        # vLLM computes a prompt's last token: its last block is never a hit.
+        whole = hits[0].hit_blocks == plan.prompt_blocks - 1
+        right += hits[0].worker == f"w{worker}" and whole
+    score_p50, score_p99 = _quantiles_us(full)
+    hit_p50, hit_p99 = _quantiles_us(hit_only)
+    return ScaleReport(
+        workers=plan.workers,
+        blocks_per_worker=plan.blocks,
+        resident_entries=entries,
+        build_seconds=build_seconds,
+        block_updates_per_s=entries / build_seconds,
+        rss_before_mib=rss_before,
+        rss_mib=rss,
+        peak_rss_mib=_rss_mib("VmHWM"),
+        bytes_per_entry=(rss - rss_before) * 2**20 / entries,
+        score_p50_us=score_p50,
+        score_p99_us=score_p99,
+        hit_only_p50_us=hit_p50,
+        hit_only_p99_us=hit_p99,
+        best_hits_right=right,
+        prompts=plan.prompts,
+    )
+
+
+def _child(plan: ScalePlan, results: mp.Queue) -> None:  # type: ignore[type-arg]
+    results.put(measure(plan))
+
+
+def measure_alone(plan: ScalePlan) -> ScaleReport:
+    """``measure`` in a fresh interpreter, so that its RSS is its own."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    process = ctx.Process(target=_child, args=(plan, results))
+    process.start()
+    report: ScaleReport = results.get()
+    process.join()
+    return report
+
+
+def scale_targets(reports: list[ScaleReport]) -> dict[str, bool]:
+    met: dict[str, bool] = {}
+    for report in reports:
+        if report.workers == TARGET_WORKERS:
+            met[f"{report.workers} workers: score p99 {report.score_p99_us:,.0f} us < 1 ms"] = (
+                report.score_p99_us < TARGET_SCORE_P99_US
+            )
+            met[f"{report.workers} workers: RSS {report.rss_mib:,.0f} MiB < 4 GiB"] = (
+                report.rss_mib < TARGET_RSS_MIB
+            )
+        met[f"{report.workers} workers: every best worker right"] = (
+            report.best_hits_right == report.prompts
+        )
+    return met
+
+
+def scale_table(reports: list[ScaleReport]) -> str:
+    header = (
+        f"{'workers':>8}{'blocks':>9}{'entries':>13}{'build s':>9}{'updates/s':>12}"
+        f"{'RSS MiB':>9}{'peak':>8}{'B/entry':>9}{'score p50':>11}{'p99':>8}"
+        f"{'hit p50':>9}{'p99':>8}{'right':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in reports:
+        lines.append(
+            f"{r.workers:>8,}{r.blocks_per_worker:>9,}{r.resident_entries:>13,}"
+            f"{r.build_seconds:>9.1f}{r.block_updates_per_s:>12,.0f}{r.rss_mib:>9,.0f}"
+            f"{r.peak_rss_mib:>8,.0f}{r.bytes_per_entry:>9.1f}{r.score_p50_us:>11,.0f}"
+            f"{r.score_p99_us:>8,.0f}{r.hit_only_p50_us:>9,.0f}{r.hit_only_p99_us:>8,.0f}"
+            f"{f'{r.best_hits_right}/{r.prompts}':>9}"
+        )
+    if len(reports) > 1:
+        small, large = reports[0], reports[-1]
+        lines.append(
+            f"{large.workers} workers / {small.workers}: score p99 "
+            f"{large.score_p99_us / small.score_p99_us:.1f}x, hit-only p99 "
+            f"{large.hit_only_p99_us / small.hit_only_p99_us:.1f}x, bytes per entry "
+            f"{large.bytes_per_entry / small.bytes_per_entry:.2f}x"
+        )
+    return "\n".join(lines)
