@@ -12,9 +12,10 @@ on every score. Three figures per prompt:
 - the floor: the same aiohttp server answering a stored response of the same size, which is
   what HTTP and the load generator cost before hmakv does anything.
 
-Each is measured on four paths (``PATHS``): token ids as a JSON list hashed by the Python
+Each is measured on five paths (``PATHS``): token ids as a JSON list hashed by the Python
 specification (the fallback) and by ``hmakv_native``, then packed (``packed_token_ids``, uint32s)
-in JSON (base64) and in msgpack (bin), hashed natively from the buffer. The floor is measured
+in JSON (base64) and in msgpack (bin), hashed natively from the buffer, and the last once more
+with ``"details": false`` (each worker's GPU hit only, what a router needs). The floor is measured
 with each form's body. The handler's steps are timed alone on the same request: msgspec's parse,
 vLLM's block hashing (sha256_cbor unless --hash-fn), the index's score, and the response's
 encoding. Every answer the load generator gets is checked against the index's own score of the
@@ -108,14 +109,18 @@ class Form(NamedTuple):
     name: str
     content_type: str
     packed: bool
+    details: bool = True  # False: each worker's GPU hit only, what a router needs
 
     def body(self, tokens: list[int]) -> bytes:
         ids = PackedTokenIds.pack(tokens).data
+        lean = {} if self.details else {"details": False}
         if self.content_type == MSGPACK:
-            return msgspec.msgpack.encode({"packed_token_ids": ids} if self.packed else tokens)
+            fields = {"packed_token_ids": ids} if self.packed else {"token_ids": tokens}
+            return msgspec.msgpack.encode(fields | lean)
         if self.packed:
-            return msgspec.json.encode({"packed_token_ids": base64.b64encode(ids).decode()})
-        return msgspec.json.encode({"token_ids": tokens})
+            ids_b64 = base64.b64encode(ids).decode()
+            return msgspec.json.encode({"packed_token_ids": ids_b64} | lean)
+        return msgspec.json.encode({"token_ids": tokens} | lean)
 
     def decoder(self) -> msgspec.json.Decoder[ScoreRequest] | msgspec.msgpack.Decoder[ScoreRequest]:
         if self.content_type == MSGPACK:
@@ -139,6 +144,7 @@ FORMS = {
         JSON_LIST,
         Form("json-packed", "application/json", packed=True),
         Form("msgpack-packed", MSGPACK, packed=True),
+        Form("msgpack-packed-lean", MSGPACK, packed=True, details=False),
     )
 }
 # (hashing, form): the Python specification's loop on today's form, then native hashing on each.
@@ -147,6 +153,7 @@ PATHS = (
     ("native", "json"),
     ("native", "json-packed"),
     ("native", "msgpack-packed"),
+    ("native", "msgpack-packed-lean"),
 )
 
 
@@ -266,7 +273,9 @@ def steps(
     return {
         "parse_us": step_us(lambda: decoder.decode(body), each),
         "hash_us": step_us(lambda: prompt_hashes(hasher, hashed), each),
-        "score_us": step_us(lambda: follower.index.score(hashes, len(tokens)), each),
+        "score_us": step_us(
+            lambda: follower.index.score(hashes, len(tokens), details=form.details), each
+        ),
         "encode_us": step_us(lambda: encode(response), each),
     }
 

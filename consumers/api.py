@@ -147,6 +147,14 @@ class ScoreRequest(Prompt, forbid_unknown_fields=True, kw_only=True):
     workers: Annotated[
         list[str] | None, Doc(description="score only these (unknown: left out)")
     ] = None
+    details: Annotated[
+        bool,
+        Doc(
+            description="false: each worker's GPU hit only (hit_tokens, hit_blocks, and score "
+            "as the GPU hit at the GPU's weight), no per-group, tier or group-blind answers: "
+            "what a router needs, 2-3x sooner on a large fleet"
+        ),
+    ] = True
 
 
 class RoutedRequest(Prompt, forbid_unknown_fields=True, kw_only=True):
@@ -392,6 +400,7 @@ class ScoreApi:
             hashes,
             num_tokens,
             workers=self._worker_filter(request.workers),
+            details=request.details,
             lookahead_hashes=rehash,
         )
         hits = _with_follower_view(
@@ -399,8 +408,10 @@ class ScoreApi:
         )
         best = hma_best(hits)
         best_worker = best.worker if best is not None else None
-        blind = group_blind_answer(hits)
-        self.stats.record_answer(best.hit_tokens if best is not None else 0, blind, best_worker)
+        blind = None
+        if request.details:  # the HMA and group-blind answers are compared where both exist
+            blind = group_blind_answer(hits)
+            self.stats.record_answer(best.hit_tokens if best is not None else 0, blind, best_worker)
         return ScoreResponse(
             best=best_worker,
             hash_block_size=index.hash_block_size,

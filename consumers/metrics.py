@@ -336,8 +336,8 @@ class IndexCollector(Collector):
         )
         hits = CounterMetricFamily(
             f"{PREFIX}_score_hit_tokens",
-            "Predicted hit tokens of each answer's best worker, summed over answered requests: "
-            "HMA-aware (hma) or ignoring cache groups (group_blind)",
+            "Predicted hit tokens of each answer's best worker, summed over answered requests "
+            "with details: HMA-aware (hma) or ignoring cache groups (group_blind)",
             labels=["answer"],
         )
         hits.add_metric(["hma"], stats.hma_hit_tokens)
@@ -345,7 +345,8 @@ class IndexCollector(Collector):
         yield hits
         yield CounterMetricFamily(
             f"{PREFIX}_score_best_differs",
-            "Answered score requests whose group-blind best worker is not the HMA-aware one",
+            "Answered score requests with details whose group-blind best worker is not the "
+            "HMA-aware one",
             value=stats.best_differs,
         )
         yield _per_label(

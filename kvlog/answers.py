@@ -104,7 +104,9 @@ class ScoreResponse(msgspec.Struct, kw_only=True):
     num_tokens: int
     prompt_blocks: int
     workers: list[WorkerHit]
-    group_blind: GroupBlindAnswer
+    group_blind: Annotated[
+        GroupBlindAnswer | None, Doc(description="null when the request asked for no details")
+    ]
 
 
 # ----------------------------------------------------------------------------- best worker

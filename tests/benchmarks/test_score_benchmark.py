@@ -25,7 +25,7 @@ def test_every_prompt_size_hashing_and_form_is_measured_over_http_beside_its_flo
     report = json.loads(report_path.read_text())
     rows = {(row["tokens"], row["hashing"], row["form"]): row for row in report["rows"]}
     paths = [("python", "json"), ("native", "json"), ("native", "json-packed")]
-    paths.append(("native", "msgpack-packed"))
+    paths += [("native", "msgpack-packed"), ("native", "msgpack-packed-lean")]
     assert sorted(rows) == sorted((tokens, *path) for tokens in (1024, 8192) for path in paths)
     for (tokens, _, _), row in rows.items():
         assert row["blocks"] == tokens // 16

@@ -185,6 +185,25 @@ async def test_naive_group_blind_answer_is_reported_beside(client: TestClient[An
     assert answer["group_blind"] == {"best": "evicted", "hit_tokens": 8 * BLOCK}
 
 
+async def test_without_details_each_worker_gets_its_gpu_hit_and_nothing_else(
+    client: TestClient[Any, Any],
+) -> None:
+    _, full = await post_score(client, {"token_ids": PROMPT})
+    status, lean = await post_score(client, {"token_ids": PROMPT, "details": False})
+    assert status == 200
+    assert lean["best"] == full["best"] and lean["group_blind"] is None
+    assert [w["worker"] for w in lean["workers"]] == [w["worker"] for w in full["workers"]]
+    detailed = by_worker(full)
+    for worker, hit in by_worker(lean).items():
+        assert (hit["hit_tokens"], hit["hit_blocks"]) == (
+            detailed[worker]["hit_tokens"],
+            detailed[worker]["hit_blocks"],
+        )
+        assert hit["groups"] == {} and hit["tiers"] == {} and hit["group_blind_hit_tokens"] == 0
+    # Only answers with both the HMA-aware and the group-blind best are compared in /metrics.
+    assert await routing_counters(client) == (8 * BLOCK, 8 * BLOCK, 1)
+
+
 async def routing_counters(client: TestClient[Any, Any]) -> tuple[float, float, float]:
     """(HMA-aware hit tokens, group-blind hit tokens, best differs) from /metrics."""
     response = await client.get("/metrics")
