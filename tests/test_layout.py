@@ -38,9 +38,16 @@ ALLOWED: dict[str, frozenset[str]] = {
         {"hmakv.producer", "hmakv.kvlog", "hmakv.kafka", "hmakv.vllm", "hmakv.routing"}
     ),
     # The fleet benchmark runs the services as processes, the hops' ceilings in its own, and
-    # reads the services' metrics pages as the demo does.
+    # reads the services' metrics pages as the demo does; its scale study builds one index.
     "hmakv.fleet": frozenset(
-        {"hmakv.producer", "hmakv.kvlog", "hmakv.bridge", "hmakv.kafka", "hmakv.demo"}
+        {
+            "hmakv.producer",
+            "hmakv.kvlog",
+            "hmakv.bridge",
+            "hmakv.consumers",
+            "hmakv.kafka",
+            "hmakv.demo",
+        }
     ),
     # The routing study runs the engine, the bridge's fan-out and the index in one process.
     "hmakv.routing": frozenset(
