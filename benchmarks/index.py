@@ -13,11 +13,12 @@
     beside a per-worker loop over those sets applying the same rule (cost in workers x blocks);
     and the whole prompt's score right after each loop call, whose memory traffic evicts the
     index from the CPU caches (a worst case: a router's own work is mostly the index).
-(c) memory: tracemalloc of the whole state at 64 workers x N resident (group, block) entries
+(c) memory: the resident bytes (RSS, a fresh process per state, so that the native block tables
+    count) of the whole state at 64 workers x N resident (group, block) entries
     each, hashes decoded from msgpack per worker and group as records bring them; per resident
     entry, for a fleet where most blocks are shared system prompts and for one sharing none.
-    N is 50k by default: tracing 64 x 200k entries costs minutes on a small machine, so that
-    size (the target's) runs with --full-memory; per-entry costs hardly move with N.
+    N is 50k by default; the target's size, 64 x 200k, runs with --full-memory; per-entry costs
+    hardly move with N.
 (d) beside NVIDIA Dynamo's indexer (the bench extra: ``dynamo._core.RadixTree`` of
     ai-dynamo-runtime 1.6.1; skipped with one line without it): the same stream of (a) and the
     same prompts of (b) as Dynamo's JSON events, only the full-attention group's, as Dynamo's
@@ -49,7 +50,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tracemalloc
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -477,44 +477,62 @@ def worker_blocks(sizes: Sizes, shared: list[int], share: float, rng: random.Ran
     return rng.sample(shared, from_pool) + [random_hash(rng) for _ in range(count - from_pool)]
 
 
-def build_state(
-    sizes: Sizes, share: float, make: Callable[[], Any], seed: int
-) -> tuple[int, int, Any]:
-    """Traced bytes and resident entries of a state built from msgpack-decoded hash lists.
+def build_state(sizes: Sizes, share: float, make: Callable[[], Any], seed: int) -> tuple[int, int]:
+    """Resident bytes and entries of a state built from msgpack-decoded hash lists, in this
+    process (a fresh one per state: ``--memory-probe``). RSS, not tracemalloc, so that the
+    native block tables' heap counts too.
 
     Each worker holds n full-attention blocks and the last n/2 of them in each window group.
     """
     rng = random.Random(seed)
     shared = [random_hash(rng) for _ in range(sizes.memory_blocks_per_worker // 2)]
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[int])
-    tracemalloc.start()
+    inputs = [
+        encoder.encode(worker_blocks(sizes, shared, share, rng))
+        for _ in range(sizes.memory_workers)
+    ]
+    del shared
+    before = resident_bytes()
     state = make()
     entries = 0
-    for w in range(sizes.memory_workers):
-        blocks = encoder.encode(worker_blocks(sizes, shared, share, rng))
+    for w, blocks in enumerate(inputs):
         for group in GROUPS:
             hashes = decoder.decode(blocks)  # fresh int objects, as each record brings
             if group:
                 hashes = hashes[len(hashes) // 2 :]
             state.apply(EventRecord(f"worker-{w}", 0, 0, 0.0, group, [store(hashes, group)]))
             entries += len(hashes)
-        del blocks, hashes
-    del shared
-    gc.collect()
-    traced, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    return traced, entries, state
+        del hashes
+    return resident_bytes() - before, entries
+
+
+MEMORY_SIDES: dict[str, Callable[[], Any]] = {
+    "index": KVIndex,
+    "dict_of_sets": lambda: DictOfSets(),
+}
+
+
+def probe(flag: str, *args: object) -> str:
+    """This script's ``flag`` probe in a fresh process: the last line it prints."""
+    run = subprocess.run(
+        [sys.executable, __file__, flag, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if run.returncode:
+        raise RuntimeError(f"{flag} {' '.join(map(str, args))} failed: {run.stderr}")
+    return run.stdout.splitlines()[-1]
 
 
 def bench_memory(sizes: Sizes) -> dict[str, float]:
     out: dict[str, float] = {}
     for label, share in SHARES:
-        for name, make in (("index", KVIndex), ("dict_of_sets", DictOfSets)):
-            traced, entries, state = build_state(sizes, share, make, SEED)
-            out[f"{name}_{label}_bytes_per_entry"] = traced / entries
+        for name in MEMORY_SIDES:
+            shape = (sizes.memory_workers, sizes.memory_blocks_per_worker)
+            resident, entries = map(int, probe("--memory-probe", name, share, *shape).split())
+            out[f"{name}_{label}_bytes_per_entry"] = resident / entries
             out["entries"] = entries
-            del state
-            gc.collect()
     return out
 
 
@@ -634,21 +652,8 @@ def bench_memory_rss(sizes: Sizes) -> dict[str, float]:
     out: dict[str, float] = {}
     for label, share in SHARES:
         for side in RSS_SIDES:
-            spec = [
-                side,
-                str(sizes.memory_workers),
-                str(sizes.memory_blocks_per_worker),
-                str(share),
-            ]
-            run = subprocess.run(
-                [sys.executable, __file__, "--rss-probe", *spec],
-                capture_output=True,
-                text=True,
-                timeout=1800,
-            )
-            if run.returncode:
-                raise RuntimeError(f"the {side} RSS probe failed: {run.stderr}")
-            out[f"{side}_{label}_rss_bytes"] = int(run.stdout.splitlines()[-1])
+            shape = (sizes.memory_workers, sizes.memory_blocks_per_worker)
+            out[f"{side}_{label}_rss_bytes"] = int(probe("--rss-probe", side, *shape, share))
     per_worker = sizes.memory_blocks_per_worker // 2 // CHAIN * CHAIN
     out["full_attention_entries"] = sizes.memory_workers * per_worker
     return out
@@ -900,7 +905,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument(
         "--full-memory",
         action="store_true",
-        help=f"memory at {FULL_MEMORY_BLOCKS:,} entries per worker (minutes under tracemalloc)",
+        help=f"memory at {FULL_MEMORY_BLOCKS:,} entries per worker",
     )
     parser.add_argument(
         "--native",
@@ -911,6 +916,10 @@ def arguments() -> argparse.Namespace:
     parser.add_argument(
         "--rss-probe", nargs=4, metavar=("SIDE", "W", "N", "SHARE"), help=argparse.SUPPRESS
     )
+    # (c)'s memory: one state in this fresh process; prints the resident bytes and its entries.
+    parser.add_argument(
+        "--memory-probe", nargs=4, metavar=("SIDE", "SHARE", "W", "N"), help=argparse.SUPPRESS
+    )
     return parser.parse_args()
 
 
@@ -919,6 +928,13 @@ def main() -> None:
     if args.rss_probe:
         side, workers, entries, share = args.rss_probe
         print(rss_probe(side, int(workers), int(entries), float(share)))
+        return
+    if args.memory_probe:
+        name, share, workers, blocks = args.memory_probe
+        probe = dataclasses.replace(
+            FULL, memory_workers=int(workers), memory_blocks_per_worker=int(blocks)
+        )
+        print(*build_state(probe, float(share), MEMORY_SIDES[name], SEED))
         return
     sizes = QUICK if args.quick else FULL
     if args.full_memory:

@@ -7,16 +7,16 @@ answers from it and ``index_snapshot`` is the snapshot format, so that each can 
 
 Why it is shaped this way:
 
-- One dict per medium maps a block hash to one int that packs every group's worker bitset: each
-  cache group gets a *lane* of ``width`` bits, and worker slot ``s`` holds the hash in the group of
-  lane ``p`` when bit ``p * width + s`` is set. Lane 0 is every group at once (the worker holds
-  the hash in some group), which is the group-blind answer's lane and the worker set's bit. A
-  hash is stored once however many groups hold it (a window group's blocks are mostly the
-  full-attention group's), so memory grows with distinct hashes, not with workers times groups
-  times blocks; one lookup per block answers for every group, and ANDing a prompt's packed ints
-  runs every group's prefix scan at once.
+- One table per medium (``block_table``) maps a block hash to one int that packs every group's
+  worker bitset: each cache group gets a *lane* of ``width`` bits, and worker slot ``s`` holds the
+  hash in the group of lane ``p`` when bit ``p * width + s`` is set. Lane 0 is every group at once
+  (the worker holds the hash in some group), which is the group-blind answer's lane and the worker
+  set's bit. A hash is stored once however many groups hold it (a window group's blocks are mostly
+  the full-attention group's), so memory grows with distinct hashes, not with workers times groups
+  times blocks; one lookup per block answers for every group, and ANDing a prompt's packed ints runs
+  every group's prefix scan at once.
 - Equal ints are shared objects where it is cheap: an int held by one worker alone is that
-  worker's (``_Worker.patterns``), so a hash nobody shares costs its dict entry and nothing more,
+  worker's (``_Worker.patterns``), so a hash nobody shares costs its table entry and nothing more,
   and a store or removal over a run of blocks with equal holders makes one int for the run.
   Scoring reads a prompt as runs of equal values (``hit_rule.Column``).
 - ``width`` starts at 8 slots and doubles when a worker's slot does not fit: every packed int is
@@ -48,6 +48,7 @@ from operator import or_
 import msgspec
 
 from hmakv.consumers import index_snapshot
+from hmakv.consumers.block_table import Table, new_table
 from hmakv.consumers.hit_rule import GroupRule, alignment, rule_for
 from hmakv.consumers.scoring import SPECULATIVE_MEDIUM, CatalogClass, Fleet, Roster, Scorer
 from hmakv.kvlog.answers import WorkerHit, speculative_hit
@@ -68,7 +69,7 @@ from hmakv.producer.hashing import external
 DEFAULT_HASH_BLOCK_SIZE = 16
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
 INITIAL_LANE_WIDTH = 8  # worker slots per group lane, doubled whenever the fleet outgrows it
-# What one worker may make the index keep: every block is a dict entry of ~100 bytes, and an
+# What one worker may make the index keep: every block is a table entry (18-100 bytes), and an
 # engine (or whoever poses as one) may say it holds any number. 4M blocks is a 64M-token cache
 # at 16 tokens a block, beyond any one engine's; past it stores are refused and counted.
 DEFAULT_MAX_BLOCKS_PER_WORKER = 4 * 1024 * 1024
@@ -199,7 +200,7 @@ class _Medium:
 
     def __init__(self) -> None:
         # hash -> packed worker bitsets of every group lane; a hash nobody holds has no entry.
-        self.owners: dict[ExternalBlockHash, int] = {}
+        self.owners: Table = new_table()
         # (group, slot) -> hash -> copies beyond the first; only hashes with two or more appear.
         self.copies: dict[tuple[int, int], dict[ExternalBlockHash, int]] = {}
 
@@ -445,9 +446,7 @@ class KVIndex:
         moves = [(lane * old, lane * width) for lane in (0, *self._lanes.values())]
         spread = cache(partial(_moved, moves=moves, mask=(1 << old) - 1))
         for medium in self._media.values():
-            owners = medium.owners
-            for block_hash, held in owners.items():
-                owners[block_hash] = spread(held)
+            medium.owners.map_values(spread)
         self._width = width
         for worker in self._workers.values():
             worker.patterns = {spread(held): spread(held) for held in worker.patterns}
@@ -530,33 +529,22 @@ class KVIndex:
         bit = self._lane_bit(worker, group)
         stamp = bit | worker.bit  # the group's lane and lane 0
         room = self.max_blocks_per_worker - sum(worker.resident.values())
-        owners = state.owners
-        held_by = owners.get
         patterns, others = worker.patterns, worker.others
-        extra: dict[ExternalBlockHash, int] | None = None
-        added = refused = 0
-        last: int | None = None
-        stored = 0
-        for block_hash in hashes:
-            held = held_by(block_hash, 0)
+
+        def derive(held: int) -> int | None:
             if held & bit:
-                if extra is None:
-                    extra = state.copies.setdefault((group, worker.slot), {})
+                return None  # held in the group already: another copy
+            stored = held | stamp
+            return patterns.setdefault(stored, stored) if not stored & others else stored
+
+        added, refused, copies = state.owners.store(hashes, room, derive)
+        if copies:
+            extra = state.copies.setdefault((group, worker.slot), {})
+            for block_hash in copies:
                 extra[block_hash] = extra.get(block_hash, 0) + 1
-                continue
-            if added >= room:
-                refused += 1
-                continue
-            if held is not last:  # a run of blocks with the same holders shares one new int
-                last = held
-                stored = held | stamp
-                if not stored & others:
-                    stored = patterns.setdefault(stored, stored)
-            owners[block_hash] = stored
-            added += 1
         self._counters.stored += len(hashes) - refused
         self._counters.blocks_refused += refused
-        self._counters.duplicate_copies += len(hashes) - added - refused
+        self._counters.duplicate_copies += len(copies)
         key = (group, medium)
         worker.resident[key] = worker.resident.get(key, 0) + added
 
@@ -738,7 +726,7 @@ class KVIndex:
         Every key held or renewed goes to ``held``, for the expiry heap."""
         bit = self._lane_bit(worker, group)
         gpu = self._media.get(MEDIUM_GPU)
-        really = gpu.owners if gpu is not None else {}
+        really = gpu.owners if gpu is not None else new_table()
         owners = self._medium(SPECULATIVE_MEDIUM).owners
         speculative = worker.speculative
         stamp = bit | worker.bit
@@ -942,25 +930,28 @@ class KVIndex:
         unpacked = cache(partial(index._unpacked, moves=moves, mask=(1 << saved.slots) - 1))
         for medium in saved.media:
             state = index._medium(medium.medium)
-            state.owners = dict(zip(medium.hashes, map(unpacked, medium.owners), strict=True))
+            owners = dict(zip(medium.hashes, map(unpacked, medium.owners), strict=True))
             for group, slot, block_hash, extra in medium.copies:
                 state.copies.setdefault((group, slot), {})[block_hash] = extra
             if not all(isinstance(block_hash, int) for block_hash in medium.hashes):
-                index._rekey(state)
+                owners = index._rekey(owners, state)
+            state.owners = new_table(owners.items())
         index._retired = saved.retired
         return index
 
-    def _rekey(self, state: _Medium) -> None:
+    def _rekey(
+        self, saved: dict[ExternalBlockHash, int], state: _Medium
+    ) -> dict[ExternalBlockHash, int]:
         """Whole digests as their ints, as ``_as_keys`` keeps them now: a snapshot from before
         kept them whole. A block held in both forms (by two engines) gets both its holders."""
         owners: dict[ExternalBlockHash, int] = {}
-        for block_hash, held in state.owners.items():
+        for block_hash, held in saved.items():
             key = block_hash if isinstance(block_hash, int) else external(block_hash)
             owners[key] = self._intern(owners.get(key, 0) | held)
-        state.owners = owners
         for copies in state.copies.values():
             for block_hash in [h for h in copies if not isinstance(h, int)]:
                 copies[external(block_hash)] = copies.pop(block_hash)
+        return owners
 
     def _unpacked(self, wire: int | bytes, moves: list[tuple[int, int]], mask: int) -> int:
         """A saved packed int in this index's lanes, lane 0 rebuilt, single-worker ones interned."""
@@ -1080,38 +1071,17 @@ def _remove_copies(
     full_copy_bits: int,
 ) -> tuple[int, int, int]:
     """Remove one copy per hash: (hashes no longer held, hashes not held, partial evictions)."""
-    owners = medium.owners
-    held_by = owners.get
     patterns, others = worker.patterns, worker.others
-    extra = medium.copies.get((group, worker.slot))
-    dropped = missing = partial = 0
-    last: int | None = None
-    rest = 0
-    for block_hash in hashes:
-        held = held_by(block_hash, 0)
+
+    def classify(held: int) -> tuple[bool, bool, int]:
         if not held & bit:
-            missing += 1
-            continue
-        if held & full_copy_bits:
-            partial += 1
-        if extra and block_hash in extra:
-            left = extra[block_hash] - 1
-            if left:
-                extra[block_hash] = left
-            else:
-                del extra[block_hash]
-            continue
-        if held is not last:  # a run of blocks with the same holders shares one new int
-            last = held
-            rest = _without(held, bit, worker)
-            if rest and not rest & others:
-                rest = patterns.setdefault(rest, rest)
-        if rest:
-            owners[block_hash] = rest
-        else:
-            del owners[block_hash]
-        dropped += 1
-    return dropped, missing, partial
+            return False, False, 0
+        rest = _without(held, bit, worker)
+        if rest and not rest & others:
+            rest = patterns.setdefault(rest, rest)
+        return True, bool(held & full_copy_bits), rest
+
+    return medium.owners.remove(hashes, classify, medium.copies.get((group, worker.slot)))
 
 
 def _without(held: int, bits: int, worker: _Worker) -> int:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 
+from hmakv.consumers.block_table import Table
 from hmakv.kvlog.records import Health
 from hmakv.producer.events import ExternalBlockHash, GroupSpec
 
@@ -84,16 +85,17 @@ def decode(data: bytes) -> IndexSnapshot:
 
 def medium_snapshot(
     medium: str,
-    owners: Mapping[ExternalBlockHash, int],
+    owners: Table,
     copies: Mapping[tuple[int, int], Mapping[ExternalBlockHash, int]],
     packed: Callable[[int], int],
 ) -> MediumSnapshot:
     """One medium's holders, each packed int in the wire's lanes (``packed``), and its extra
     copies per (group, slot) as flat rows."""
+    held_by = sorted(owners.items())  # the same bytes for the same state, whatever the table
     return MediumSnapshot(
         medium=medium,
-        hashes=list(owners),
-        owners=[_owners_to_wire(packed(held)) for held in owners.values()],
+        hashes=[block_hash for block_hash, _ in held_by],
+        owners=[_owners_to_wire(packed(held)) for _, held in held_by],
         copies=[
             (group, slot, block_hash, extra)
             for (group, slot), extras in copies.items()

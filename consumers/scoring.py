@@ -25,6 +25,7 @@ from itertools import compress, groupby, repeat
 from operator import and_, attrgetter, or_
 from typing import NamedTuple, Protocol
 
+from hmakv.consumers.block_table import Table
 from hmakv.consumers.hit_rule import Acceptance, Column, GroupRule, alignment, longest_hits
 from hmakv.kvlog.answers import WorkerHit
 from hmakv.kvlog.records import Health
@@ -50,7 +51,7 @@ class Held(Protocol):
     """One medium's residency as the index keeps it: block hash -> packed holders."""
 
     @property
-    def owners(self) -> Mapping[ExternalBlockHash, int]: ...
+    def owners(self) -> Table: ...
 
 
 class Member(Protocol):
@@ -427,7 +428,7 @@ class _Residency:
             if len(media) > 1:
                 values = list(map(or_, self._held(media[:-1]), self._held(media[-1:])))
             elif (medium := self._media.get(media[0])) is not None:
-                values = list(map(medium.owners.get, self._hashes, repeat(0, self._blocks)))
+                values = medium.owners.get_many(self._hashes, 0)
             else:
                 values = [0] * self._blocks
             self._values[media] = values
