@@ -12,7 +12,7 @@
 use hashbrown::HashMap;
 use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyInt, PyList};
 
 #[pyclass(mapping, module = "hmakv_native")]
 #[derive(Default)]
@@ -30,6 +30,14 @@ impl<T> Memo<T> {
     fn hit(memo: &Option<Self>, held: &PyObject) -> bool {
         memo.as_ref().is_some_and(|m| m.held.as_ptr() == held.as_ptr())
     }
+}
+
+/// A stored or removed block's key: an exact int in u64's range (not a bool, not a subclass).
+fn block_key(item: &Bound<'_, PyAny>) -> Option<u64> {
+    if !item.is_exact_instance_of::<PyInt>() {
+        return None;
+    }
+    item.extract().ok()
 }
 
 impl BlockTable {
@@ -156,7 +164,7 @@ impl BlockTable {
         let (mut added, mut refused, mut copies) = (0, 0, Vec::new());
         let mut memo: Option<Memo<Option<PyObject>>> = None;
         for item in hashes.try_iter()? {
-            let Ok(key) = item?.extract::<u64>() else {
+            let Some(key) = block_key(&item?) else {
                 refused += 1;
                 continue;
             };
@@ -192,7 +200,7 @@ impl BlockTable {
         let (mut dropped, mut missing, mut partial) = (0, 0, 0);
         let mut memo: Option<Memo<(bool, bool, Option<PyObject>)>> = None;
         for item in hashes.try_iter()? {
-            let Ok(key) = item?.extract::<u64>() else {
+            let Some(key) = block_key(&item?) else {
                 missing += 1;
                 continue;
             };

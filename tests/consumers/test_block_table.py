@@ -24,9 +24,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 # A few hashes, so that runs share holders and removals find what stores left; and some that
-# are no u64 (never held by either table).
+# are no u64 int (never stored by either table; True is 1 to a lookup, as to a dict).
 HASHES = st.one_of(
-    st.integers(0, 11), st.sampled_from([2**64 - 1, 2**63]), st.sampled_from([-1, 2**64])
+    st.integers(0, 11), st.sampled_from([2**64 - 1, 2**63]), st.sampled_from([-1, 2**64, True])
 )
 BITS = st.integers(1, 2**70)  # wider than a machine word, as a large fleet's packed ints are
 
