@@ -28,7 +28,8 @@ struct Memo<T> {
 
 impl<T> Memo<T> {
     fn hit(memo: &Option<Self>, held: &PyObject) -> bool {
-        memo.as_ref().is_some_and(|m| m.held.as_ptr() == held.as_ptr())
+        memo.as_ref()
+            .is_some_and(|m| m.held.as_ptr() == held.as_ptr())
     }
 }
 
@@ -67,7 +68,8 @@ impl BlockTable {
     }
 
     fn __contains__(&self, key: &Bound<'_, PyAny>) -> bool {
-        key.extract::<u64>().is_ok_and(|key| self.map.contains_key(&key))
+        key.extract::<u64>()
+            .is_ok_and(|key| self.map.contains_key(&key))
     }
 
     fn __getitem__(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<PyObject> {
