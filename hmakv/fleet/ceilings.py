@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaProducer
 
 from hmakv.bridge.fanout import fan_out
 from hmakv.bridge.readable import take_ready
-from hmakv.fleet.engines import ExpectedState, engine_name, engines, step_batch
+from hmakv.fleet.engines import GROUP_IDS, ExpectedState, engine_name, engines, step_batch
 from hmakv.kafka import unique_topic
 from hmakv.kvlog import records
 from hmakv.kvlog.kafka_client import (
@@ -40,7 +40,6 @@ from hmakv.producer.protocol import encode_seq
 RECEIVE_LIMIT = 1024  # messages taken from one socket per turn
 START_SEQ = encode_seq(0)  # an engine's seq 0: the clear it publishes when it starts
 APPEND_CHUNK = 4096  # records handed to the producer per round
-GROUP_IDS = (0, 1)
 
 Ceiling = dict[str, float]
 Encoded = tuple[bytes, bytes, list[tuple[str, bytes]]]  # key, value, headers

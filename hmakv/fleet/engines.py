@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event
+from pathlib import Path
 
 from hmakv.kafka.process import free_port
 from hmakv.producer.events import (
@@ -35,6 +36,7 @@ GroupOf = tuple[int, str, int | None]
 """A stand-in's KV-cache group: its index, kind and sliding window."""
 
 GROUPS: tuple[GroupOf, ...] = ((0, "full_attention", None), (1, "sliding_window", 128))
+GROUP_IDS = [group for group, _, _ in GROUPS]
 BLOCK_TOKENS = 16
 CHUNKS_PER_STEP = 6  # stores, alternating between the groups
 BLOCKS_PER_CHUNK = 4
@@ -46,9 +48,14 @@ FLUSH_MS = 5
 _MIX = 0x9E3779B97F4A7C15  # odd: multiplying by it modulo 2**64 is a bijection
 
 
+def mixed(number: int) -> ExternalBlockHash:
+    """A hash-like u64 for a number below 2**64: distinct numbers give distinct hashes."""
+    return number * _MIX % 2**64
+
+
 def block_hash(engine: int, step: int, chunk: int, block: int) -> ExternalBlockHash:
     """Distinct for every (step, chunk, block) of an engine."""
-    return ((engine << 40) + step * 100 + chunk * BLOCKS_PER_CHUNK + block) * _MIX % 2**64
+    return mixed((engine << 40) + step * 100 + chunk * BLOCKS_PER_CHUNK + block)
 
 
 def group_store(
@@ -112,6 +119,14 @@ class ExpectedState:
             events=engines * (steps * CHUNKS_PER_STEP + removing * len(GROUPS)),
             resident_per_group=min(steps, RESIDENT_STEPS) * blocks // len(GROUPS),
         )
+
+
+def status_mib(field: str, pid: int | str = "self") -> float:
+    """A memory field of a process's ``/proc`` status (VmRSS, VmHWM: its peak), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def engine_name(index: int) -> str:

@@ -21,11 +21,10 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from hmakv.bridge.fanout import fan_out
 from hmakv.consumers.index import KVIndex
-from hmakv.fleet.engines import BLOCK_TOKENS, GROUPS, group_store
+from hmakv.fleet.engines import BLOCK_TOKENS, GROUP_IDS, GROUPS, group_store, mixed, status_mib
 from hmakv.producer.events import ExternalBlockHash, KVEventBatch
 
 TARGET_WORKERS = 1000
@@ -35,9 +34,7 @@ SHARED_PROMPTS = 16
 SHARED_BLOCKS = 64  # 1,024 tokens
 STORE_BLOCKS = 1024  # blocks per stored event (a long prefill's)
 WARM_UP_PROMPTS = 20
-_MIX = 0x9E3779B97F4A7C15
 _SHARED_BASE = 1 << 62  # shared blocks' numbers sit above every worker's
-GROUP_IDS = [group for group, _, _ in GROUPS]
 
 
 @dataclass(frozen=True)
@@ -70,16 +67,12 @@ class ScaleReport:
     prompts: int
 
 
-def _number(value: int) -> ExternalBlockHash:
-    return value * _MIX % 2**64  # distinct numbers give distinct hashes
-
-
 def shared_block(prompt: int, block: int) -> ExternalBlockHash:
-    return _number(_SHARED_BASE + prompt * SHARED_BLOCKS + block)
+    return mixed(_SHARED_BASE + prompt * SHARED_BLOCKS + block)
 
 
 def own_block(worker: int, block: int) -> ExternalBlockHash:
-    return _number((worker << 32) + block)
+    return mixed((worker << 32) + block)
 
 
 def own_blocks(plan: ScalePlan) -> int:
@@ -113,13 +106,6 @@ def prompt(worker: int, system: int, start: int, plan: ScalePlan) -> list[Extern
     ]
 
 
-def _rss_mib(field: str = "VmRSS") -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def _quantiles_us(seconds: list[float]) -> tuple[float, float]:
     cuts = statistics.quantiles(seconds, n=100)
     return 1e6 * cuts[49], 1e6 * cuts[98]
@@ -128,12 +114,12 @@ def _quantiles_us(seconds: list[float]) -> tuple[float, float]:
 def measure(plan: ScalePlan) -> ScaleReport:
     """Build the index and score ``plan.prompts`` prompts; run it in a fresh process."""
     gc.collect()
-    rss_before = _rss_mib()
+    rss_before = status_mib("VmRSS")
     started = time.perf_counter()
     index = build(plan)
     build_seconds = time.perf_counter() - started
     gc.collect()
-    rss = _rss_mib()
+    rss = status_mib("VmRSS")
     entries = plan.workers * plan.blocks * len(GROUPS)
     rng = random.Random(plan.seed)
     own = own_blocks(plan)
@@ -166,7 +152,7 @@ def measure(plan: ScalePlan) -> ScaleReport:
         block_updates_per_s=entries / build_seconds,
         rss_before_mib=rss_before,
         rss_mib=rss,
-        peak_rss_mib=_rss_mib("VmHWM"),
+        peak_rss_mib=status_mib("VmHWM"),
         bytes_per_entry=(rss - rss_before) * 2**20 / entries,
         score_p50_us=score_p50,
         score_p99_us=score_p99,

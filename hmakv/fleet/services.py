@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hmakv.demo.promtext import MetricsPage
-from hmakv.fleet.engines import EngineSpec, free_ports
+from hmakv.fleet.engines import EngineSpec, free_ports, status_mib
 from hmakv.kafka import ApacheKafkaBroker
 
 PARTITIONS = 6
@@ -91,10 +91,7 @@ class ServiceProcess:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def peak_rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
+        return status_mib("VmHWM", self.process.pid)
 
     def stop(self) -> None:
         if self.process.poll() is None:

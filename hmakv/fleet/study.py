@@ -102,10 +102,6 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
-def _cell(value: float | None, width: int, fmt: str) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}"
-
-
 def fleet_table(sizes: list[FleetSize]) -> str:
     header = (
         f"{'run':<22}{'batches/s':>11}{'blocks/s':>11}{'age p50':>9}{'p99':>8}{'max<=':>8}"

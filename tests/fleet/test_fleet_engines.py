@@ -9,9 +9,7 @@ from hypothesis import strategies as st
 
 from hmakv.bridge.fanout import fan_out
 from hmakv.consumers.index import KVIndex
-from hmakv.fleet.engines import GROUPS, RESIDENT_STEPS, ExpectedState, engine_name, step_batch
-
-GROUP_IDS = [group for group, _, _ in GROUPS]
+from hmakv.fleet.engines import GROUP_IDS, RESIDENT_STEPS, ExpectedState, engine_name, step_batch
 
 
 def applied(engines: int, steps: int, skipped: tuple[int, int] | None = None) -> KVIndex:
