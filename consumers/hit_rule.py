@@ -17,6 +17,10 @@ What a group needs for a hit of ``k`` of its blocks (``single_type_kv_cache_mana
 - mamba: the single state block ``k-1``.
 
 Not modelled: EAGLE's dropped last block and fine-grained (sub-block) mamba hits.
+
+``longest_hits`` runs natively (``hmakv_native.longest_hits``, the same scan over u64 words)
+where it is installed; the Python scan here is the specification and the fallback, and
+tests/consumers/test_hits_native.py checks that both answer alike.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Sequence
 from functools import reduce
 from itertools import accumulate, compress, count, groupby, islice, repeat, takewhile
 from operator import and_, itemgetter, ne
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -75,6 +79,27 @@ def alignment(rules: Sequence[GroupRule]) -> int:
     """Every hit is a multiple of this many tokens: the LCM of the groups' block sizes."""
     return math.lcm(*(rule.block_size for rule in rules))
 
+
+# A group's lane of a column: rule, block size, window blocks, chunk size, run edges, holders.
+Lane = tuple[Rule, int, int, int, list[int], list[int]]
+
+
+class _NativeHits(Protocol):
+    def longest_hits(
+        self, lanes: list[Lane], everyone: int, align: int, max_tokens: int, /
+    ) -> list[tuple[int, int]]: ...
+
+
+def _native_hits() -> _NativeHits | None:
+    try:
+        import hmakv_native
+    except ImportError:  # not built (scripts/setup builds it): the scan runs in Python
+        return None
+    return hmakv_native
+
+
+_NATIVE = _native_hits()
+NATIVE_HITS = _NATIVE is not None
 
 RUN_SEARCH_LIMIT = 32  # runs found one by one up to this many; more: one pass over every block
 
@@ -189,6 +214,20 @@ class Acceptance:
             start = tokens // rule.chunk_size * rule.chunk_size // rule.block_size
         return column.held_between(start, blocks) >> self._shift
 
+    def lane(self, everyone: int) -> Lane:
+        """The group's lane as the native scan takes it: the rule, the runs' edges and each
+        run's holders shifted down to worker slots, masked to ``everyone``."""
+        rule, shift = self.rule, self._shift
+        held = [value >> shift & everyone for value in self._column.held]
+        return (
+            rule.rule,
+            rule.block_size,
+            rule.window_blocks,
+            rule.chunk_size,
+            self._column.edges,
+            held,
+        )
+
     def bound(self, workers: int, tokens: int) -> int:
         """The longest length, at most ``tokens``, at which any of ``workers`` may be accepted.
 
@@ -213,6 +252,16 @@ def longest_hits(
 
     Longest first; every worker of ``everyone`` is in exactly one pair (hit 0 included).
     """
+    if _NATIVE is not None:
+        lanes = [acceptance.lane(everyone) for acceptance in acceptances]
+        return _NATIVE.longest_hits(lanes, everyone, align, max_tokens)
+    return scan(acceptances, everyone, align, max_tokens)
+
+
+def scan(
+    acceptances: Sequence[Acceptance], everyone: int, align: int, max_tokens: int
+) -> list[tuple[int, int]]:
+    """``longest_hits`` in Python: one descending scan over aligned lengths, jumping by bounds."""
     remaining = everyone
     hits: list[tuple[int, int]] = []
     tokens = _settle(acceptances, remaining, max_tokens // align * align, align)

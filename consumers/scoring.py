@@ -25,6 +25,8 @@ from itertools import compress, groupby, repeat
 from operator import and_, attrgetter, or_
 from typing import NamedTuple, Protocol
 
+from msgspec.structs import replace
+
 from hmakv.consumers.block_table import Table
 from hmakv.consumers.hit_rule import Acceptance, Column, GroupRule, alignment, longest_hits
 from hmakv.kvlog.answers import WorkerHit
@@ -229,7 +231,13 @@ class Scorer:
             start = len(hits)
             tied_parts = list(tied)
             for payload, workers in tied_parts:
-                hits.extend(_worker_hits(*roster.named(workers), payload))
+                names, health, degraded = roster.named(workers)
+                if len(names) == 1:  # the payload's dicts are its own: no copies to make
+                    hits.append(
+                        replace(payload, worker=names[0], health=health[0], degraded=degraded[0])
+                    )
+                else:
+                    hits.extend(_worker_hits(names, health, degraded, payload))
             if len(tied_parts) > 1:
                 hits[start:] = sorted(hits[start:], key=attrgetter("worker"))
         return hits

@@ -16,6 +16,15 @@ def external_hashes(
     lookahead: int = 0,
 ) -> list[int]: ...
 
+# consumers/hit_rule.py's longest_hits (the specification) over lanes: (rule, block size,
+# window blocks, chunk size, run edges, run holders masked to everyone's slots).
+def longest_hits(
+    lanes: Sequence[tuple[str, int, int, int, Sequence[int], Sequence[int]]],
+    everyone: int,
+    align: int,
+    max_tokens: int,
+) -> list[tuple[int, int]]: ...
+
 # One medium's block hash -> packed holders table (consumers/block_table.py: the specification).
 class BlockTable:
     def __init__(self, items: Iterable[tuple[int | bytes, int]] | None = None) -> None: ...

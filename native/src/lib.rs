@@ -4,6 +4,7 @@
 //! lookahead `(None, *the lookahead tokens)`. Tokens come as a list or tuple of ints, or packed:
 //! one `bytes` of little-endian uint32s, read without a Python int per token.
 
+mod hits;
 mod table;
 
 use minicbor::Encoder;
@@ -180,6 +181,7 @@ fn external_hashes(
 fn hmakv_native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(block_hashes, module)?)?;
     module.add_function(wrap_pyfunction!(external_hashes, module)?)?;
+    module.add_function(wrap_pyfunction!(hits::longest_hits, module)?)?;
     module.add_class::<table::BlockTable>()?;
     Ok(())
 }

@@ -1,6 +1,7 @@
 """The native block table (``hmakv_native.BlockTable``) against its specification
 (``consumers.block_table.PyBlockTable``): the same operations leave the same entries and answer
-the same, and an index built on either answers the same. Skipped without ``hmakv_native``, the
+the same, and an index on every native path (tables and hit scan) answers as one on the Python
+specification. Skipped without ``hmakv_native``, the
 one thing scripts/setup may leave out (a machine without cargo); CI builds it."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hmakv.bridge.fanout import fan_out
-from hmakv.consumers import block_table
+from hmakv.consumers import block_table, hit_rule
 from hmakv.consumers.block_table import PyBlockTable, Table
 from hmakv.consumers.index import KVIndex
 from hmakv.fleet.engines import GROUPS, group_store
@@ -105,12 +106,14 @@ def test_the_native_table_is_a_mapping_of_u64s() -> None:
 
 
 @contextmanager
-def python_tables() -> Iterator[None]:
-    saved, block_table._NATIVE = block_table._NATIVE, None
+def python_specification() -> Iterator[None]:
+    """Tables made and prompts scanned in Python while it lasts."""
+    saved = block_table._NATIVE, hit_rule._NATIVE
+    block_table._NATIVE, hit_rule._NATIVE = None, None
     try:
         yield
     finally:
-        block_table._NATIVE = saved
+        block_table._NATIVE, hit_rule._NATIVE = saved
 
 
 EVENTS = st.lists(
@@ -142,17 +145,20 @@ def _apply(index: KVIndex, events: list[tuple[int, str, int, list[int], str]]) -
 
 @settings(max_examples=150, deadline=None)
 @given(EVENTS, st.lists(st.integers(0, 15), min_size=1, max_size=10))
-def test_an_index_on_either_table_answers_the_same(
+def test_an_index_on_the_native_paths_answers_as_the_specification(
     events: list[tuple[int, str, int, list[int], str]], prompt: list[int]
 ) -> None:
     fast = KVIndex(hash_block_size=16)
     _apply(fast, events)
-    with python_tables():
+    with python_specification():
         spec = KVIndex(hash_block_size=16)
         _apply(spec, events)
     assert fast.workers() == spec.workers()
     assert fast.counters == spec.counters
     tokens = 16 * len(prompt) + 1
-    assert fast.score(prompt, tokens) == spec.score(prompt, tokens)
+    for details in (True, False):
+        answer = fast.score(prompt, tokens, details=details)
+        with python_specification():
+            assert answer == spec.score(prompt, tokens, details=details)
     assert KVIndex.restore(fast.snapshot()).workers() == spec.workers()
     assert fast.snapshot() == spec.snapshot()
