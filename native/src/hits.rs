@@ -39,11 +39,11 @@ impl Bits {
     }
 }
 
-/// A non-negative Python int as `words` u64 words (higher bits dropped: the caller masked it).
+/// A non-negative Python int as `words` u64 words (the caller masked it to `everyone`'s).
 fn bits(value: &Bound<'_, PyAny>, words: usize) -> PyResult<Bits> {
     let mut out = vec![0u64; words];
-    if let Ok(small) = value.extract::<u64>() {
-        out[0] = small;
+    if words == 1 {
+        out[0] = value.extract::<u64>()?;
     } else {
         let big: BigUint = value.extract()?;
         for (word, digit) in out.iter_mut().zip(big.iter_u64_digits()) {
