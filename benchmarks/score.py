@@ -12,14 +12,19 @@ on every score. Three figures per prompt:
 - the floor: the same aiohttp server answering a stored response of the same size, which is
   what HTTP and the load generator cost before hmakv does anything.
 
-Each is measured on five paths (``PATHS``): token ids as a JSON list hashed by the Python
-specification (the fallback) and by ``hmakv_native``, then packed (``packed_token_ids``, uint32s)
-in JSON (base64) and in msgpack (bin), hashed natively from the buffer, and the last once more
-with ``"details": false`` (each worker's GPU hit only, what a router needs). The floor is measured
-with each form's body. The handler's steps are timed alone on the same request: msgspec's parse,
-vLLM's block hashing (sha256_cbor unless --hash-fn), the index's score, and the response's
-encoding. Every answer the load generator gets is checked against the index's own score of the
-prompt.
+Each is measured on six paths (``PATHS``): token ids as a JSON list hashed and scanned by the
+Python specification (the fallback), then with ``hmakv_native`` (its block hashing and hit scan),
+then packed (``packed_token_ids``, uint32s) in JSON (base64) and in msgpack (bin), hashed natively
+from the buffer, and the last with ``"details": false`` (each worker's GPU hit only, what a
+router needs), once with the hit scan in Python and once natively. The index's block tables are
+native throughout (the fleet is built once). The floor is measured with each form's body. The
+handler's steps are timed alone on the same request: msgspec's parse, vLLM's block hashing
+(sha256_cbor unless --hash-fn), the index's score, and the response's encoding.
+
+The load generator is wrk (a C HTTP benchmarking tool, Debian's ``wrk``) where it is installed,
+as a router's own client would cost: aiohttp's client spends more per request than the server
+does (``--client aiohttp`` measures with it). Every answer either gets is checked: aiohttp's
+against the index's own score of the prompt, wrk's byte for byte against that answer.
 """
 
 from __future__ import annotations
@@ -28,9 +33,12 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import functools
 import multiprocessing
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -43,6 +51,7 @@ import msgspec
 from aiohttp import web
 from harness import quantile, write_report
 
+from hmakv.consumers import hit_rule
 from hmakv.consumers.api import MSGPACK, HashingDefaults, ScoreApi, ScoreRequest, build_app
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.metrics import index_registry
@@ -70,6 +79,7 @@ class Setup(msgspec.Struct, frozen=True):
     seconds: float
     connections: int
     hash_fn: str
+    client: str
 
 
 # ------------------------------------------------------------------------------ the fleet
@@ -147,14 +157,17 @@ FORMS = {
         Form("msgpack-packed-lean", MSGPACK, packed=True, details=False),
     )
 }
-# (hashing, form): the Python specification's loop on today's form, then native hashing on each.
+# (native code, form): the Python specification on the first form, then hmakv_native's hashing
+# and hit scan on each ("hashing": its hashing only, the scan in Python).
 PATHS = (
-    ("python", "json"),
-    ("native", "json"),
-    ("native", "json-packed"),
-    ("native", "msgpack-packed"),
-    ("native", "msgpack-packed-lean"),
+    ("none", "json"),
+    ("all", "json"),
+    ("all", "json-packed"),
+    ("all", "msgpack-packed"),
+    ("hashing", "msgpack-packed-lean"),
+    ("all", "msgpack-packed-lean"),
 )
+CLIENTS = ("wrk", "aiohttp")
 
 
 # ------------------------------------------------------------------------------ the load generator
@@ -195,11 +208,47 @@ async def _load(
     return latencies, warm_up + len(latencies), sorted(answers)
 
 
+# wrk's script: POST the body file, count answers that differ from the expected file, report.
+WRK_SCRIPT = """
+local function slurp(name)
+  local file = assert(io.open(name, "rb")); local data = file:read("*a"); file:close()
+  return data
+end
+wrk.method = "POST"
+wrk.body = slurp(os.getenv("HMAKV_BODY"))
+wrk.headers["Content-Type"] = os.getenv("HMAKV_CONTENT_TYPE")
+local expected = slurp(os.getenv("HMAKV_ANSWER"))
+wrong = 0
+function response(status, headers, body)
+  if status ~= 200 or body ~= expected then wrong = wrong + 1 end
+end
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+function done(summary, latency, requests)
+  local wrong_answers = 0
+  for _, thread in ipairs(threads) do wrong_answers = wrong_answers + thread:get("wrong") end
+  local errors = summary.errors
+  io.write(string.format(
+    "HMAKV {\\"requests\\": %d, \\"p50_us\\": %d, \\"p99_us\\": %d, \\"wrong\\": %d, " ..
+    "\\"errors\\": %d}\\n", summary.requests, latency:percentile(50), latency:percentile(99),
+    wrong_answers, errors.connect + errors.read + errors.write + errors.status + errors.timeout))
+end
+"""
+
+
 async def drive(
-    url: str, body: bytes, form: Form, connections: int, seconds: float
+    url: str,
+    body: bytes,
+    form: Form,
+    connections: int,
+    seconds: float,
+    client: str,
+    answer: bytes,
 ) -> dict[str, Any]:
     """Run the load generator against ``url``; the server keeps this process's loop, whose CPU
     time (idle while the generator starts) is divided among every request it answered."""
+    if client == "wrk":
+        return await _drive_wrk(url, body, form, connections, seconds, answer)
     receiver, sender = multiprocessing.Pipe(duplex=False)
     process = multiprocessing.get_context("spawn").Process(
         target=load, args=(url, body, form.content_type, connections, seconds, sender)
@@ -219,6 +268,47 @@ async def drive(
         "per_cpu_s": sent / cpu if cpu > 0 else 0.0,
         "wall_s": wall,
         "answers": answers,
+    }
+
+
+async def _drive_wrk(
+    url: str, body: bytes, form: Form, connections: int, seconds: float, answer: bytes
+) -> dict[str, Any]:
+    """wrk for whole seconds (its least); every answer must be ``answer``, byte for byte."""
+    whole_seconds = max(1, round(seconds))
+    with tempfile.TemporaryDirectory(prefix="hmakv-wrk-") as scratch:
+        files = {"script.lua": WRK_SCRIPT.encode(), "body": body, "answer": answer}
+        for name, data in files.items():
+            (Path(scratch) / name).write_bytes(data)
+        env = {
+            "HMAKV_BODY": f"{scratch}/body",
+            "HMAKV_ANSWER": f"{scratch}/answer",
+            "HMAKV_CONTENT_TYPE": form.content_type,
+        }
+        command = ["wrk", "-t1", f"-c{connections}", f"-d{whole_seconds}s"]
+        command += ["-s", f"{scratch}/script.lua", url]
+        cpu = time.process_time()
+        wall = time.perf_counter()
+        process = await asyncio.create_subprocess_exec(
+            *command, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await process.communicate()
+        wall = time.perf_counter() - wall
+        cpu = time.process_time() - cpu
+    lines = [line for line in out.decode().splitlines() if line.startswith("HMAKV ")]
+    if process.returncode != 0 or not lines:
+        raise SystemExit(f"wrk failed ({process.returncode}): {err.decode()[-500:]}")
+    report = msgspec.json.decode(lines[-1].removeprefix("HMAKV "))
+    if report["wrong"] or report["errors"]:
+        raise SystemExit(f"wrk: {report['wrong']} wrong answers, {report['errors']} errors")
+    return {
+        "requests": report["requests"],
+        "p50_us": float(report["p50_us"]),
+        "p99_us": float(report["p99_us"]),
+        "per_s": report["requests"] / whole_seconds,
+        "per_cpu_s": report["requests"] / cpu if cpu > 0 else 0.0,
+        "wall_s": wall,
+        "answers": [answer],
     }
 
 
@@ -301,12 +391,17 @@ def check(answers: list[bytes], form: Form, expected: dict[str, int], size: int)
 
 
 @contextlib.contextmanager
-def hashing_path(name: str) -> Iterator[None]:
-    """Every prompt hashed in Python (today's fallback), or natively where it can be."""
-    if name == "native" and not hashing.NATIVE_HASHING:
+def native_path(name: str) -> Iterator[None]:
+    """Every prompt hashed and scanned in Python (the fallback), hashed natively ("hashing"),
+    or both natively ("all")."""
+    if name != "none" and not (hashing.NATIVE_HASHING and hit_rule.NATIVE_HITS):
         raise SystemExit("hmakv_native is not installed: run scripts/setup")
-    native = hashing._NATIVE if name == "native" else None
-    with mock.patch.object(hashing, "_NATIVE", native):
+    native_hashing = hashing._NATIVE if name in ("hashing", "all") else None
+    native_hits = hit_rule._NATIVE if name == "all" else None
+    with (
+        mock.patch.object(hashing, "_NATIVE", native_hashing),
+        mock.patch.object(hit_rule, "_NATIVE", native_hits),
+    ):
         yield
 
 
@@ -328,15 +423,15 @@ async def measure(setup: Setup) -> dict[str, Any]:
                 form = FORMS[form_name]
                 body = form.body(tokens)
                 answer = await _one_answer(f"{url}/v1/score", body, form)
+                check([answer], form, expected, size)
                 if form_name not in measured_floors:
                     measured_floors[form_name] = await floors(answer, body, form, setup)
                 floor, floor_busy = measured_floors[form_name]
-                with hashing_path(name):
-                    latency = await drive(f"{url}/v1/score", body, form, 1, setup.seconds)
+                timed = functools.partial(drive, f"{url}/v1/score", body, form, client=setup.client)
+                with native_path(name):
+                    latency = await timed(1, setup.seconds, answer=answer)
                     check(latency.pop("answers"), form, expected, size)
-                    busy = await drive(
-                        f"{url}/v1/score", body, form, setup.connections, setup.seconds
-                    )
+                    busy = await timed(setup.connections, setup.seconds, answer=answer)
                     busy.pop("answers")
                     handler_steps = steps(
                         follower, form, tokens, answer, setup.hash_fn, setup.seconds
@@ -344,7 +439,7 @@ async def measure(setup: Setup) -> dict[str, Any]:
                 rows.append(
                     {
                         "tokens": size,
-                        "hashing": name,
+                        "native": name,
                         "form": form_name,
                         "blocks": size // BLOCK_SIZE,
                         "request_bytes": len(body),
@@ -366,9 +461,10 @@ async def floors(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """aiohttp's latency and throughput answering ``answer`` without doing anything."""
     runner, url = await serving(floor_app(answer, form.content_type))
+    timed = functools.partial(drive, f"{url}/v1/score", body, form, client=setup.client)
     try:
-        latency = await drive(f"{url}/v1/score", body, form, 1, setup.seconds)
-        busy = await drive(f"{url}/v1/score", body, form, setup.connections, setup.seconds)
+        latency = await timed(1, setup.seconds, answer=answer)
+        busy = await timed(setup.connections, setup.seconds, answer=answer)
     finally:
         await runner.cleanup()
     latency.pop("answers")
@@ -390,14 +486,14 @@ async def _one_answer(url: str, body: bytes, form: Form) -> bytes:
 
 def table(report: dict[str, Any]) -> str:
     lines = [
-        "| tokens | hashing | form | p50 us | p99 us | floor p50 us | req/s "
+        "| tokens | native | form | p50 us | p99 us | floor p50 us | req/s "
         "| req/s per index CPU s | floor req/s | parse us | hash us | score us | encode us |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["rows"]:
         lat, busy, steps_us = row["latency"], row["throughput"], row["steps"]
         lines.append(
-            f"| {row['tokens']:,} | {row['hashing']} | {row['form']} "
+            f"| {row['tokens']:,} | {row['native']} | {row['form']} "
             f"| {lat['p50_us']:,.0f} | {lat['p99_us']:,.0f} "
             f"| {row['floor_latency']['p50_us']:,.0f} | {busy['per_s']:,.0f} "
             f"| {busy['per_cpu_s']:,.0f} | {row['floor_throughput']['per_s']:,.0f} "
@@ -410,18 +506,19 @@ def table(report: dict[str, Any]) -> str:
 def targets(report: dict[str, Any]) -> str:
     """Issue 18's targets for 8k tokens, as ratios (1.0 or more meets one), for the fastest path,
     and what it bought over the Python loop on a JSON list (the implementation before)."""
-    rows = {(row["hashing"], row["form"]): row for row in report["rows"] if row["tokens"] == 8192}
+    rows = {(row["native"], row["form"]): row for row in report["rows"] if row["tokens"] == 8192}
     if not rows:
         return "no 8k-token row: issue 18's targets are for 8,192 tokens"
-    (hashing_name, form), best = min(rows.items(), key=lambda item: item[1]["latency"]["p50_us"])
+    (native, form), best = min(rows.items(), key=lambda item: item[1]["latency"]["p50_us"])
     before = rows[PATHS[0]]
     p50 = best["latency"]["p50_us"]
     per_core = best["throughput"]["per_cpu_s"]
     return (
-        f"8k tokens, fastest path ({hashing_name} hashing, {form}): p50 {p50:,.0f} us, target "
+        f"8k tokens, fastest path (native: {native}, {form}; {report['setup']['client']}): "
+        f"p50 {p50:,.0f} us, target "
         f"{TARGET_P50_US:.0f} us ({TARGET_P50_US / p50:.2f} of it); {per_core:,.0f} requests "
         f"per index CPU second, target {TARGET_PER_CORE:,.0f} ({per_core / TARGET_PER_CORE:.2f} "
-        f"of it); over Python hashing of a JSON list: p50 "
+        f"of it); over the Python specification on a JSON list: p50 "
         f"{before['latency']['p50_us'] / p50:.2f}x sooner, "
         f"{per_core / before['throughput']['per_cpu_s']:.2f}x the requests per CPU second"
     )
@@ -435,17 +532,29 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=16, help="workers in the index (16)")
     parser.add_argument("--connections", type=int, default=4, help="for throughput (4)")
     parser.add_argument("--hash-fn", choices=HASH_FUNCTIONS, default="sha256_cbor")
+    parser.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default=None,
+        help="the load generator: wrk where installed (apt-get install wrk), else aiohttp",
+    )
     return parser.parse_args()
 
 
 def main() -> None:
     args = arguments()
+    client = args.client or ("wrk" if shutil.which("wrk") else "aiohttp")
+    if client == "wrk" and not shutil.which("wrk"):
+        raise SystemExit("--client wrk: wrk is not installed (apt-get install wrk)")
+    if client == "aiohttp" and args.client is None:
+        print("wrk is not installed (apt-get install wrk): aiohttp's client is the load generator")
     setup = Setup(
         sizes=(1024, 8192) if args.quick else (1024, 8192, 32768),
         workers=4 if args.quick else args.workers,
         seconds=0.3 if args.quick else args.seconds,
         connections=args.connections,
         hash_fn=args.hash_fn,
+        client=client,
     )
     report = asyncio.run(measure(setup))
     print(table(report))
