@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import Protocol, TypeGuard
 
+from hmakv.consumers.hit_rule import Column
 from hmakv.producer.events import ExternalBlockHash
 
 U64_LIMIT = 2**64
@@ -38,6 +39,9 @@ class Table(Protocol):
     def __iter__(self) -> Iterator[ExternalBlockHash]: ...
     def get(self, key: ExternalBlockHash, default: int, /) -> int: ...
     def get_many(self, keys: Sequence[ExternalBlockHash], default: int, /) -> list[int]: ...
+    def runs(
+        self, keys: Sequence[ExternalBlockHash], step: int, count: int, /
+    ) -> tuple[list[int], list[int]]: ...
     def values(self) -> Iterable[int]: ...
     def items(self) -> Iterable[tuple[ExternalBlockHash, int]]: ...
     def map_values(self, change: Callable[[int], int], /) -> None: ...
@@ -62,6 +66,17 @@ class PyBlockTable(dict[ExternalBlockHash, int]):
 
     def get_many(self, keys: Sequence[ExternalBlockHash], default: int, /) -> list[int]:
         return list(map(self.get, keys, repeat(default, len(keys))))
+
+    def runs(
+        self, keys: Sequence[ExternalBlockHash], step: int, count: int, /
+    ) -> tuple[list[int], list[int]]:
+        """The holders (0: none) of every ``step``-th key, the last of each step, up to ``count``
+        of them, as a ``Column``'s runs: (each run's first position, then how many were read;
+        each run's holders). A prompt's column for a group block of ``step`` hash blocks."""
+        if step < 1:
+            raise ValueError(f"step must be positive, got {step}")
+        column = Column(self.get_many(keys[step - 1 : step * count : step], 0))
+        return column.edges, column.held
 
     def map_values(self, change: Callable[[int], int], /) -> None:
         """Every value replaced by ``change(value)`` (the index re-spreading its lanes)."""

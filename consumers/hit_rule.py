@@ -122,6 +122,13 @@ class Column:
         self.edges = [*_run_starts(values, self.held), len(values)]
         self._prefix: list[int] | None = None
 
+    @classmethod
+    def from_runs(cls, edges: list[int], held: list[int]) -> Column:
+        """The column whose runs a table found (``Table.runs``), not computed again."""
+        column = cls.__new__(cls)
+        column.edges, column.held, column._prefix = edges, held, None
+        return column
+
     def prefix(self) -> list[int]:
         """``prefix[i]``: the AND of runs ``0..i-1`` (-1, everyone, for i = 0), up to the first 0.
 

@@ -423,10 +423,15 @@ class _Residency:
         key = (media, block_size)
         column = self._columns.get(key)
         if column is None:
-            step = block_size // self._hash_block_size
             # A group block spanning several hash blocks goes by the hash of its last sub-block.
-            values = self._held(media)[step - 1 : self._blocks // step * step : step]
-            column = self._columns[key] = Column(values)
+            step = block_size // self._hash_block_size
+            count = self._blocks // step
+            held = self._media.get(media[0]) if len(media) == 1 else None
+            if held is not None:  # one table: it finds the runs itself, in one call
+                column = Column.from_runs(*held.owners.runs(self._hashes, step, count))
+            else:
+                column = Column(self._held(media)[step - 1 : count * step : step])
+            self._columns[key] = column
         return column
 
     def _held(self, media: Media) -> list[int]:

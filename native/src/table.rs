@@ -10,7 +10,7 @@
 //! hash that is no u64 is never held: a store refuses it, a removal finds it missing.
 
 use hashbrown::HashMap;
-use pyo3::exceptions::PyKeyError;
+use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList};
 
@@ -112,6 +112,39 @@ impl BlockTable {
             values.push(value.clone_ref(py));
         }
         Ok(values)
+    }
+
+    /// `PyBlockTable.runs`: the holders of every `step`-th key as runs, found while looked up
+    /// (a run's neighbours share one int, so most are told apart by address).
+    fn runs(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        step: usize,
+        count: usize,
+    ) -> PyResult<(Vec<usize>, Vec<PyObject>)> {
+        if step == 0 {
+            return Err(PyValueError::new_err("step must be positive, got 0"));
+        }
+        let zero = 0u8.into_pyobject(py)?.into_any().unbind();
+        let available = keys.len()?;
+        let (mut edges, mut held) = (Vec::new(), Vec::<PyObject>::new());
+        let mut read = 0;
+        while read < count && read * step + step - 1 < available {
+            let key = keys.get_item(read * step + step - 1)?.extract::<u64>().ok();
+            let value = key.and_then(|key| self.map.get(&key)).unwrap_or(&zero);
+            let same = match held.last() {
+                Some(last) => last.as_ptr() == value.as_ptr() || last.bind(py).eq(value)?,
+                None => false,
+            };
+            if !same {
+                edges.push(read);
+                held.push(value.clone_ref(py));
+            }
+            read += 1;
+        }
+        edges.push(read);
+        Ok((edges, held))
     }
 
     /// The keys, in the order `values` and `items` give theirs while the table is unchanged.

@@ -53,6 +53,9 @@ OPERATIONS = st.lists(
         st.tuples(st.just("set"), HASHES, BITS),
         st.tuples(st.just("del"), HASHES),
         st.tuples(st.just("map"), BITS),
+        st.tuples(
+            st.just("runs"), st.lists(HASHES, max_size=20), st.integers(1, 3), st.integers(0, 9)
+        ),
     ),
     max_size=30,
 )
@@ -83,6 +86,8 @@ def test_both_tables_agree_on_every_operation(operations: list[tuple]) -> None: 
         elif op == "map":
             spec.map_values(args[0].__xor__)
             fast.map_values(args[0].__xor__)
+        elif op == "runs":
+            assert spec.runs(*args) == fast.runs(*args)
         assert sorted(spec.items()) == sorted(fast.items())
         probe = [0, 3, 2**64 - 1, -1, 2**64]
         assert spec.get_many(probe, 0) == fast.get_many(probe, 0)
