@@ -35,6 +35,7 @@ import base64
 import contextlib
 import functools
 import multiprocessing
+import os
 import random
 import shutil
 import statistics
@@ -280,7 +281,8 @@ async def _drive_wrk(
         files = {"script.lua": WRK_SCRIPT.encode(), "body": body, "answer": answer}
         for name, data in files.items():
             (Path(scratch) / name).write_bytes(data)
-        env = {
+        env = {  # with this process's PATH: wrk is found where shutil.which found it
+            **os.environ,
             "HMAKV_BODY": f"{scratch}/body",
             "HMAKV_ANSWER": f"{scratch}/answer",
             "HMAKV_CONTENT_TYPE": form.content_type,
