@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import reduce
-from itertools import compress, groupby, repeat
-from operator import and_, attrgetter, or_
+from itertools import compress, repeat
+from operator import and_, attrgetter, itemgetter, or_
 from typing import NamedTuple, Protocol
 
 from msgspec.structs import replace
@@ -37,6 +37,10 @@ ROSTER_SETS = 1024  # worker sets whose names a score call may reuse
 # The table of blocks routed to a worker and not yet confirmed by its events: a medium of the
 # index's own, under a name no engine may store on (the index refuses it), read with the GPU's.
 SPECULATIVE_MEDIUM = "~speculative"
+# Up to this many workers, a part's answers are copies of its payload; above, built in one pass.
+_FEW_WORKERS = 16
+# Above this many parts x pairs, a score call's answers split by slot (``_Answers.record``).
+_PAIRS_TRIED = 256
 
 Media = tuple[str, ...]
 # What a score call answers per worker: the hit, each group's own hit, each tier's, the blind one.
@@ -218,28 +222,27 @@ class Scorer:
         """Best first (speculative weighted tokens, weighted tokens, hit), by name among equal
         answers.
 
-        Sorting the few parts, not the workers, and building each part's answers in one C-level
-        pass over its workers' names (listed once per worker set, see ``Roster``) keeps this
-        cheap for a large fleet.
+        The parts are sorted, not the workers (whose names ``Roster`` lists once per worker set,
+        in name order), so only parts that tie are merged by name.
         """
-        parts = sorted(
-            ((self._payload(part, details), workers) for workers, part in answers.parts.items()),
-            key=_rank,
-        )
+        parts = [
+            (_rank(payload), payload, workers)
+            for workers, part in answers.parts.items()
+            for payload in (self._payload(part, details),)
+        ]
+        parts.sort(key=itemgetter(0))
         hits: list[WorkerHit] = []
-        for _, tied in groupby(parts, key=_rank):
-            start = len(hits)
-            tied_parts = list(tied)
-            for payload, workers in tied_parts:
-                names, health, degraded = roster.named(workers)
-                if len(names) == 1:  # the payload's dicts are its own: no copies to make
-                    hits.append(
-                        replace(payload, worker=names[0], health=health[0], degraded=degraded[0])
-                    )
-                else:
-                    hits.extend(_worker_hits(names, health, degraded, payload))
-            if len(tied_parts) > 1:
-                hits[start:] = sorted(hits[start:], key=attrgetter("worker"))
+        tie_start, tied, rank_before = 0, False, None
+        for rank, payload, workers in parts:
+            if rank == rank_before:
+                tied = True
+            else:
+                if tied:
+                    hits[tie_start:] = sorted(hits[tie_start:], key=attrgetter("worker"))
+                tie_start, tied, rank_before = len(hits), False, rank
+            _add_hits(hits, payload, *roster.named(workers))
+        if tied:
+            hits[tie_start:] = sorted(hits[tie_start:], key=attrgetter("worker"))
         return hits
 
     def _payload(self, answers: dict[AnswerKey, int], details: bool) -> WorkerHit:
@@ -323,15 +326,39 @@ def _acceptances(
     ]
 
 
-def _rank(part: tuple[WorkerHit, int]) -> tuple[float, float, int]:
-    hit = part[0]
+def _rank(hit: WorkerHit) -> tuple[float, float, int]:
     return -(hit.speculative_weighted_tokens or 0.0), -hit.weighted_tokens, -hit.hit_tokens
+
+
+def _add_hits(
+    hits: list[WorkerHit],
+    payload: WorkerHit,
+    names: list[str],
+    health: list[Health],
+    degraded: list[bool],
+) -> None:
+    """The payload for each worker, with the worker's own fields and copies of its dicts (a
+    part's first worker takes the payload's own). A large part is built in one C-level pass."""
+    hits.append(replace(payload, worker=names[0], health=health[0], degraded=degraded[0]))
+    if len(names) > _FEW_WORKERS:
+        hits.extend(_worker_hits(names[1:], health[1:], degraded[1:], payload))
+        return
+    for other in range(1, len(names)):  # an index, not zip: this runs once per small part
+        hits.append(
+            replace(
+                payload,
+                worker=names[other],
+                group_hit_tokens=dict(payload.group_hit_tokens),
+                tier_hit_tokens=dict(payload.tier_hit_tokens),
+                health=health[other],
+                degraded=degraded[other],
+            )
+        )
 
 
 def _worker_hits(
     names: list[str], health: list[Health], degraded: list[bool], payload: WorkerHit
 ) -> Iterator[WorkerHit]:
-    """The payload for each worker, with the worker's own fields and copies of its dicts."""
     return map(
         WorkerHit,
         names,
@@ -367,6 +394,15 @@ class _Answers:
         self.parts: dict[int, dict[AnswerKey, int]] = {everyone: {}} if everyone else {}
 
     def record(self, key: AnswerKey, hits: list[tuple[int, int]]) -> None:
+        """Each part, split where ``hits`` answer its workers differently.
+
+        Few parts and pairs: each part tries the pairs in turn. Many of both (a wide fleet whose
+        workers hold prefixes of many lengths) would make that parts x pairs: then each part
+        goes straight to the pair of its lowest worker left, found in a table of slots.
+        """
+        if len(self.parts) * len(hits) > _PAIRS_TRIED:
+            self.parts = _split_by_slot(self.parts, key, hits)
+            return
         parts: dict[int, dict[AnswerKey, int]] = {}
         for workers, answers in self.parts.items():
             rest = workers
@@ -381,6 +417,41 @@ class _Answers:
             if rest:
                 parts[rest] = answers
         self.parts = parts
+
+
+def _split_by_slot(
+    parts: dict[int, dict[AnswerKey, int]], key: AnswerKey, hits: list[tuple[int, int]]
+) -> dict[int, dict[AnswerKey, int]]:
+    """``_Answers.record`` in parts + pairs + workers steps rather than parts x pairs."""
+    pair_of = _pair_of_slot(hits)
+    answered = reduce(or_, (workers for _, workers in hits), 0)
+    split: dict[int, dict[AnswerKey, int]] = {}
+    for workers, answers in parts.items():
+        rest = workers & answered
+        if workers != rest:  # workers the hits say nothing of keep the part's answers
+            split[workers ^ rest] = answers
+        while rest:
+            tokens, hit_workers = hits[pair_of[(rest & -rest).bit_length() - 1]]
+            both = rest & hit_workers
+            if both == workers:
+                answers[key] = tokens
+                split[workers] = answers
+                break
+            split[both] = {**answers, key: tokens}
+            rest ^= both
+    return split
+
+
+def _pair_of_slot(hits: list[tuple[int, int]]) -> list[int]:
+    """For each worker slot, the index of the pair holding it (-1: none)."""
+    width = max((workers.bit_length() for _, workers in hits), default=0)
+    pair_of = [-1] * width
+    for position, (_, workers) in enumerate(hits):
+        while workers:
+            lowest = workers & -workers
+            pair_of[lowest.bit_length() - 1] = position
+            workers ^= lowest
+    return pair_of
 
 
 class _Call(NamedTuple):
