@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import reduce
-from itertools import compress, repeat
-from operator import and_, attrgetter, itemgetter, or_
+from itertools import repeat
+from operator import attrgetter, itemgetter, or_
 from typing import NamedTuple, Protocol
 
 from msgspec.structs import replace
@@ -95,14 +95,18 @@ class Roster:
     """The workers in name order, and the names and health of each worker set asked for.
 
     The sets a score call splits the fleet into recur from call to call, so each is listed once
-    and reused (up to ``ROSTER_SETS`` of them, then the list starts again).
+    and reused (up to ``ROSTER_SETS`` of them, then the list starts again). A set is listed from
+    its own bits, not by a pass over the roster: a wide fleet split into many small parts lists
+    each in a few steps.
     """
 
-    __slots__ = ("_bits", "_order", "_sets")
+    __slots__ = ("_order", "_rank_of", "_sets")
 
     def __init__(self, workers: Iterable[Member]) -> None:
         self._order = sorted(workers, key=attrgetter("name"))
-        self._bits = [worker.bit for worker in self._order]
+        self._rank_of = {
+            worker.bit.bit_length() - 1: rank for rank, worker in enumerate(self._order)
+        }
         self._sets: dict[int, tuple[list[str], list[Health], list[bool]]] = {}
 
     def named(self, workers: int) -> tuple[list[str], list[Health], list[bool]]:
@@ -111,7 +115,8 @@ class Roster:
         if named is None:
             if len(self._sets) >= ROSTER_SETS:
                 self._sets.clear()
-            chosen = list(compress(self._order, map(and_, self._bits, repeat(workers))))
+            ranks = sorted(map(self._rank_of.__getitem__, _slots(workers)))
+            chosen = [self._order[rank] for rank in ranks]
             health = [worker.health for worker in chosen]
             names = [worker.name for worker in chosen]
             named = self._sets[workers] = (names, health, [h != "live" for h in health])
@@ -447,11 +452,17 @@ def _pair_of_slot(hits: list[tuple[int, int]]) -> list[int]:
     width = max((workers.bit_length() for _, workers in hits), default=0)
     pair_of = [-1] * width
     for position, (_, workers) in enumerate(hits):
-        while workers:
-            lowest = workers & -workers
-            pair_of[lowest.bit_length() - 1] = position
-            workers ^= lowest
+        for slot in _slots(workers):
+            pair_of[slot] = position
     return pair_of
+
+
+def _slots(workers: int) -> Iterator[int]:
+    """The slots of a worker set's bits, lowest first, in steps of its own bits."""
+    while workers:
+        lowest = workers & -workers
+        yield lowest.bit_length() - 1
+        workers ^= lowest
 
 
 class _Call(NamedTuple):

@@ -1,7 +1,8 @@
 """How a score call's answers split the fleet (``scoring._Answers``), against a model that keeps
 every worker's answers apart: on random worker sets up to 140 slots wide and random scans, both of
 ``record``'s ways (each part trying the pairs in turn, and each part going by a table of slots)
-split the fleet into the same parts, each worker's part holding exactly the model's answers."""
+split the fleet into the same parts, each worker's part holding exactly the model's answers; and
+``Roster`` names a worker set's members in name order, as a pass over the whole roster would."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hmakv.consumers import scoring
-from hmakv.consumers.scoring import AnswerKey
+from hmakv.consumers.scoring import AnswerKey, Roster
+from hmakv.kvlog.records import Health
 
 KEYS: list[AnswerKey] = [("hit", 0), ("group", 0), ("group", 1), ("tier", "CPU"), ("blind", 0)]
 
@@ -87,3 +89,32 @@ def test_a_whole_part_keeps_its_own_dict_and_a_split_copies_it() -> None:
                 0b100: {("hit", 0): 32, ("group", 0): 16},
             }
             assert all(part is not whole for part in answers.parts.values())
+
+
+class _Member:
+    def __init__(self, name: str, slot: int, health: Health) -> None:
+        self.name, self.bit, self.health = name, 1 << slot, health
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.text("abcw0123", min_size=1, max_size=4), unique=True, min_size=1, max_size=140),
+    st.data(),
+)
+def test_a_roster_names_each_set_in_name_order(names: list[str], data: st.DataObject) -> None:
+    order = data.draw(st.permutations(range(len(names))))  # slots are not in name order
+    health: list[Health] = ["live", "degraded"]
+    members = [
+        _Member(name, slot, health[slot % 2]) for name, slot in zip(names, order, strict=True)
+    ]
+    roster = Roster(members)
+    for _ in range(3):
+        workers = data.draw(st.integers(0, (1 << len(names)) - 1))
+        chosen = sorted((m for m in members if m.bit & workers), key=lambda m: m.name)
+        expected = (
+            [m.name for m in chosen],
+            [m.health for m in chosen],
+            [m.health != "live" for m in chosen],
+        )
+        assert roster.named(workers) == expected
+        assert roster.named(workers) == expected  # listed once, then reused
