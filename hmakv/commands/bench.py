@@ -96,8 +96,10 @@ One index in a fresh process of its own, for each number of workers: every worke
 blocks in each of two cache groups (full attention and a 128-token window; 16 system prompts
 shared by the whole fleet, the rest its own), applied as the bridge's records; then 8k-token
 prompts (a system prompt and one worker's conversation) scored as /v1/score scores them, with
-and without details. Prints the build's block updates per second, RSS and bytes per resident
-entry, score p50/p99, and whether each prompt's best worker was the one holding it.
+and without details; then the score's worst case, a ladder prompt of which worker i of W holds
+the first (i+1)/W, so that nearly every worker's hit differs. Prints the build's block updates
+per second, RSS and bytes per resident entry, score p50/p99, and whether each prompt's best
+worker was the one holding it and each worker's ladder hit its share.
 """
 
 
@@ -222,7 +224,7 @@ def _register_scale(studies: argparse._SubParsersAction) -> None:  # type: ignor
         type=positive_int,
         default=ScalePlan.blocks,
         help=f"resident blocks per worker and group (at least {SHARED_PROMPTS * SHARED_BLOCKS:,}"
-        " + the prompt's)",
+        " + 3 prompts')",
     )
     add("--prompts", type=positive_int, default=ScalePlan.prompts, help="prompts scored")
     add("--smoke", action="store_true", help="16 and 64 workers x 4,096 blocks: correctness only")
@@ -232,8 +234,11 @@ def _register_scale(studies: argparse._SubParsersAction) -> None:  # type: ignor
 
 def run_scale_study(args: argparse.Namespace) -> int:
     workers, blocks = ((16, 64), 4096) if args.smoke else (args.workers, args.blocks)
-    if blocks < SHARED_PROMPTS * SHARED_BLOCKS + 2 * ScalePlan.prompt_blocks:
-        print(f"--blocks {blocks}: too few for the system prompts and a prompt", file=sys.stderr)
+    if blocks < SHARED_PROMPTS * SHARED_BLOCKS + 3 * ScalePlan.prompt_blocks:
+        print(
+            f"--blocks {blocks}: too few for the system prompts, the ladder and a prompt",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     reports = []
     for count in workers:
@@ -242,7 +247,7 @@ def run_scale_study(args: argparse.Namespace) -> int:
     print(scale_table(reports))
     met = scale_targets(reports)
     _report_targets(met, args.json, {"reports": [dataclasses.asdict(r) for r in reports]})
-    right = all(r.best_hits_right == r.prompts for r in reports)
+    right = all(r.best_hits_right == r.prompts and r.ladder_right for r in reports)
     return EXIT_OK if right else EXIT_FAILED
 
 

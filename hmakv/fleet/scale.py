@@ -10,6 +10,10 @@ distinct from every other worker's, in a full-attention group and a 128-token sl
 group (the same hashes in both, as vLLM hashes a hybrid model's blocks). A prompt is a system
 prompt and ``prompt_blocks`` - ``SHARED_BLOCKS`` blocks of one worker's conversation: every
 worker hits the system prompt, one worker the whole prompt.
+
+Then the score's worst case: a ladder prompt, of which worker i of W holds the first (i+1)/W
+(``ladder_held``), so that nearly every worker has an answer of its own and the fleet splits into
+as many parts as the prompt has blocks.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ SHARED_PROMPTS = 16
 SHARED_BLOCKS = 64  # 1,024 tokens
 STORE_BLOCKS = 1024  # blocks per stored event (a long prefill's)
 WARM_UP_PROMPTS = 20
+LADDER_SCORES = 50  # times the ladder prompt is scored, each way
 _SHARED_BASE = 1 << 62  # shared blocks' numbers sit above every worker's
+_LADDER_BASE = 1 << 61
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,12 @@ class ScaleReport:
         int  # prompts whose best worker is the one holding them, all but the last block
     )
     prompts: int
+    ladder_hits: int  # distinct hits in the ladder prompt's answer
+    ladder_p50_us: float
+    ladder_p99_us: float
+    ladder_hit_only_p50_us: float
+    ladder_hit_only_p99_us: float
+    ladder_right: bool  # every worker's hit is its share, a whole one best
 
 
 def shared_block(prompt: int, block: int) -> ExternalBlockHash:
@@ -75,14 +87,24 @@ def own_block(worker: int, block: int) -> ExternalBlockHash:
     return mixed((worker << 32) + block)
 
 
-def own_blocks(plan: ScalePlan) -> int:
-    return plan.blocks - SHARED_PROMPTS * SHARED_BLOCKS
+def ladder_block(block: int) -> ExternalBlockHash:
+    return mixed(_LADDER_BASE + block)
+
+
+def ladder_held(worker: int, plan: ScalePlan) -> int:
+    """The ladder prompt's first blocks the worker holds: worker i of W the first (i+1)/W."""
+    return plan.prompt_blocks * (worker + 1) // plan.workers
+
+
+def own_blocks(plan: ScalePlan, worker: int) -> int:
+    return plan.blocks - SHARED_PROMPTS * SHARED_BLOCKS - ladder_held(worker, plan)
 
 
 def worker_batches(worker: int, plan: ScalePlan) -> Iterator[KVEventBatch]:
     """What a worker's engine stored, in events of up to ``STORE_BLOCKS`` blocks per group."""
     hashes = [shared_block(p, b) for p in range(SHARED_PROMPTS) for b in range(SHARED_BLOCKS)]
-    hashes += [own_block(worker, b) for b in range(own_blocks(plan))]
+    hashes += [ladder_block(b) for b in range(ladder_held(worker, plan))]
+    hashes += [own_block(worker, b) for b in range(own_blocks(plan, worker))]
     for start in range(0, len(hashes), STORE_BLOCKS):
         chunk = hashes[start : start + STORE_BLOCKS]
         yield KVEventBatch(0.0, [group_store(chunk, group) for group in GROUPS], 0)
@@ -122,11 +144,10 @@ def measure(plan: ScalePlan) -> ScaleReport:
     rss = status_mib("VmRSS")
     entries = plan.workers * plan.blocks * len(GROUPS)
     rng = random.Random(plan.seed)
-    own = own_blocks(plan)
-    cases = [
-        (rng.randrange(plan.workers), rng.randrange(SHARED_PROMPTS), rng.randrange(own // 2))
-        for _ in range(plan.prompts)
-    ]
+    cases = []
+    for _ in range(plan.prompts):
+        worker, system = rng.randrange(plan.workers), rng.randrange(SHARED_PROMPTS)
+        cases.append((worker, system, rng.randrange(own_blocks(plan, worker) // 2)))
     num_tokens = plan.prompt_blocks * BLOCK_TOKENS
     for worker, system, start in cases[:WARM_UP_PROMPTS]:  # as a long-running index is warm
         index.score(prompt(worker, system, start, plan), num_tokens)
@@ -144,6 +165,7 @@ def measure(plan: ScalePlan) -> ScaleReport:
         right += hits[0].worker == f"w{worker}" and whole
     score_p50, score_p99 = _quantiles_us(full)
     hit_p50, hit_p99 = _quantiles_us(hit_only)
+    ladder = _score_ladder(index, plan)
     return ScaleReport(
         workers=plan.workers,
         blocks_per_worker=plan.blocks,
@@ -160,7 +182,47 @@ def measure(plan: ScalePlan) -> ScaleReport:
         hit_only_p99_us=hit_p99,
         best_hits_right=right,
         prompts=plan.prompts,
+        ladder_hits=ladder.hits,
+        ladder_p50_us=ladder.p50_us,
+        ladder_p99_us=ladder.p99_us,
+        ladder_hit_only_p50_us=ladder.hit_only_p50_us,
+        ladder_hit_only_p99_us=ladder.hit_only_p99_us,
+        ladder_right=ladder.right,
     )
+
+
+@dataclass(frozen=True)
+class _Ladder:
+    hits: int
+    p50_us: float
+    p99_us: float
+    hit_only_p50_us: float
+    hit_only_p99_us: float
+    right: bool
+
+
+def _score_ladder(index: KVIndex, plan: ScalePlan) -> _Ladder:
+    """The ladder prompt scored ``LADDER_SCORES`` times with every detail and as many without."""
+    hashes = [ladder_block(b) for b in range(plan.prompt_blocks)]
+    num_tokens = plan.prompt_blocks * BLOCK_TOKENS
+    full, hit_only = [], []
+    for _ in range(LADDER_SCORES):
+        began = time.perf_counter()
+        hits = index.score(hashes, num_tokens)
+        full.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        index.score(hashes, num_tokens, details=False)
+        hit_only.append(time.perf_counter() - began)
+    # The last block is never a hit (vLLM computes the prompt's last token).
+    shares = {
+        f"w{worker}": min(ladder_held(worker, plan), plan.prompt_blocks - 1)
+        for worker in range(plan.workers)
+    }
+    right = {hit.worker: hit.hit_blocks for hit in hits} == shares
+    right = right and hits[0].hit_blocks == plan.prompt_blocks - 1
+    p50, p99 = _quantiles_us(full)
+    hit_p50, hit_p99 = _quantiles_us(hit_only)
+    return _Ladder(len(set(shares.values())), p50, p99, hit_p50, hit_p99, right)
 
 
 def _child(plan: ScalePlan, results: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -188,9 +250,14 @@ def scale_targets(reports: list[ScaleReport]) -> dict[str, bool]:
             met[f"{report.workers} workers: RSS {report.rss_mib:,.0f} MiB < 4 GiB"] = (
                 report.rss_mib < TARGET_RSS_MIB
             )
+            ladder_p99 = report.ladder_hit_only_p99_us
+            met[
+                f"{report.workers} workers, the ladder: hit-only p99 {ladder_p99:,.0f} us < 1 ms"
+            ] = ladder_p99 < TARGET_SCORE_P99_US
         met[f"{report.workers} workers: every best worker right"] = (
             report.best_hits_right == report.prompts
         )
+        met[f"{report.workers} workers: every worker's ladder hit right"] = report.ladder_right
     return met
 
 
@@ -198,7 +265,8 @@ def scale_table(reports: list[ScaleReport]) -> str:
     header = (
         f"{'workers':>8}{'blocks':>9}{'entries':>13}{'build s':>9}{'updates/s':>12}"
         f"{'RSS MiB':>9}{'peak':>8}{'B/entry':>9}{'score p50':>11}{'p99':>8}"
-        f"{'hit p50':>9}{'p99':>8}{'right':>9}"
+        f"{'hit p50':>9}{'p99':>8}{'right':>9}{'ladder hits':>12}{'p50':>8}{'p99':>8}"
+        f"{'hit p50':>9}{'p99':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in reports:
@@ -207,7 +275,9 @@ def scale_table(reports: list[ScaleReport]) -> str:
             f"{r.build_seconds:>9.1f}{r.block_updates_per_s:>12,.0f}{r.rss_mib:>9,.0f}"
             f"{r.peak_rss_mib:>8,.0f}{r.bytes_per_entry:>9.1f}{r.score_p50_us:>11,.0f}"
             f"{r.score_p99_us:>8,.0f}{r.hit_only_p50_us:>9,.0f}{r.hit_only_p99_us:>8,.0f}"
-            f"{f'{r.best_hits_right}/{r.prompts}':>9}"
+            f"{f'{r.best_hits_right}/{r.prompts}':>9}{r.ladder_hits:>12,}{r.ladder_p50_us:>8,.0f}"
+            f"{r.ladder_p99_us:>8,.0f}{r.ladder_hit_only_p50_us:>9,.0f}"
+            f"{r.ladder_hit_only_p99_us:>8,.0f}"
         )
     if len(reports) > 1:
         small, large = reports[0], reports[-1]

@@ -14,6 +14,9 @@ from hmakv.fleet.scale import (
     SHARED_BLOCKS,
     ScalePlan,
     build,
+    ladder_block,
+    ladder_held,
+    own_block,
     own_blocks,
     prompt,
     worker_batches,
@@ -31,12 +34,29 @@ def test_every_worker_holds_its_blocks_in_both_groups_and_its_prompts_best() -> 
     assert {h.hit_blocks for h in hits[1:]} == {SHARED_BLOCKS}  # the system prompt only
 
 
+def test_the_ladder_prompt_answers_each_worker_its_own_share() -> None:
+    plan = ScalePlan(workers=5, blocks=3000)
+    index = build(plan)
+    ladder = [ladder_block(b) for b in range(plan.prompt_blocks)]
+    hits = index.score(ladder, plan.prompt_blocks * 16)
+    # 102, 204, 307, 409 and all 512 blocks held; the last is never a hit.
+    assert [(h.worker, h.hit_blocks) for h in hits] == [
+        ("w4", 511),
+        ("w3", 409),
+        ("w2", 307),
+        ("w1", 204),
+        ("w0", 102),
+    ]
+
+
 def test_a_worker_stores_the_shared_system_prompts_then_its_own_blocks_once_each() -> None:
     plan = ScalePlan(workers=2, blocks=2500)
     stored = [h for batch in worker_batches(1, plan) for h in batch.events[0].block_hashes]
     others = {h for batch in worker_batches(0, plan) for h in batch.events[0].block_hashes}
     assert len(stored) == len(set(stored)) == plan.blocks
-    assert len(set(stored) - others) == own_blocks(plan)
+    ladder = {ladder_block(b) for b in range(ladder_held(0, plan), ladder_held(1, plan))}
+    own = {own_block(1, b) for b in range(own_blocks(plan, 1))}
+    assert set(stored) - others == own | ladder
 
 
 def test_the_smoke_run_reports_every_size_with_every_best_worker_right(tmp_path: Path) -> None:
@@ -49,6 +69,8 @@ def test_the_smoke_run_reports_every_size_with_every_best_worker_right(tmp_path:
     for r in reports:
         assert r["resident_entries"] == r["workers"] * r["blocks_per_worker"] * len(GROUPS)
         assert r["best_hits_right"] == r["prompts"] == 50
+        assert r["ladder_right"] and r["ladder_hits"] == min(r["workers"], 512)
+        assert 0 < r["ladder_hit_only_p50_us"] <= r["ladder_hit_only_p99_us"]
         assert r["rss_mib"] > r["rss_before_mib"] > 0 and r["bytes_per_entry"] > 0
         assert 0 < r["score_p50_us"] <= r["score_p99_us"]
     assert "64 workers / 16" in out.getvalue()
