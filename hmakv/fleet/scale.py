@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from hmakv.bridge.fanout import fan_out
 from hmakv.consumers.index import KVIndex
 from hmakv.fleet.engines import BLOCK_TOKENS, GROUP_IDS, GROUPS, group_store, mixed, status_mib
+from hmakv.kvlog.answers import WorkerHit
 from hmakv.producer.events import ExternalBlockHash, KVEventBatch
 
 TARGET_WORKERS = 1000
@@ -128,6 +129,23 @@ def prompt(worker: int, system: int, start: int, plan: ScalePlan) -> list[Extern
     ]
 
 
+def _timed_scores(
+    index: KVIndex,
+    hashes: list[ExternalBlockHash],
+    num_tokens: int,
+    full: list[float],
+    hit_only: list[float],
+) -> list[WorkerHit]:
+    """The prompt scored with every detail, then without; each one's seconds appended."""
+    began = time.perf_counter()
+    hits = index.score(hashes, num_tokens)
+    full.append(time.perf_counter() - began)
+    began = time.perf_counter()
+    index.score(hashes, num_tokens, details=False)
+    hit_only.append(time.perf_counter() - began)
+    return hits
+
+
 def _quantiles_us(seconds: list[float]) -> tuple[float, float]:
     cuts = statistics.quantiles(seconds, n=100)
     return 1e6 * cuts[49], 1e6 * cuts[98]
@@ -151,15 +169,11 @@ def measure(plan: ScalePlan) -> ScaleReport:
     num_tokens = plan.prompt_blocks * BLOCK_TOKENS
     for worker, system, start in cases[:WARM_UP_PROMPTS]:  # as a long-running index is warm
         index.score(prompt(worker, system, start, plan), num_tokens)
-    full, hit_only, right = [], [], 0
+    full: list[float] = []
+    hit_only: list[float] = []
+    right = 0
     for worker, system, start in cases:
-        hashes = prompt(worker, system, start, plan)
-        began = time.perf_counter()
-        hits = index.score(hashes, num_tokens)
-        full.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        index.score(hashes, num_tokens, details=False)
-        hit_only.append(time.perf_counter() - began)
+        hits = _timed_scores(index, prompt(worker, system, start, plan), num_tokens, full, hit_only)
         # vLLM computes a prompt's last token: its last block is never a hit.
         whole = hits[0].hit_blocks == plan.prompt_blocks - 1
         right += hits[0].worker == f"w{worker}" and whole
@@ -205,14 +219,10 @@ def _score_ladder(index: KVIndex, plan: ScalePlan) -> _Ladder:
     """The ladder prompt scored ``LADDER_SCORES`` times with every detail and as many without."""
     hashes = [ladder_block(b) for b in range(plan.prompt_blocks)]
     num_tokens = plan.prompt_blocks * BLOCK_TOKENS
-    full, hit_only = [], []
+    full: list[float] = []
+    hit_only: list[float] = []
     for _ in range(LADDER_SCORES):
-        began = time.perf_counter()
-        hits = index.score(hashes, num_tokens)
-        full.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        index.score(hashes, num_tokens, details=False)
-        hit_only.append(time.perf_counter() - began)
+        hits = _timed_scores(index, hashes, num_tokens, full, hit_only)
     # The last block is never a hit (vLLM computes the prompt's last token).
     shares = {
         f"w{worker}": min(ladder_held(worker, plan), plan.prompt_blocks - 1)
