@@ -404,7 +404,7 @@ class ScoreApi:
             lookahead_hashes=rehash,
         )
         hits = _with_follower_view(
-            scores, self.follower.stale_groups_by_worker(), self.follower.freshness()
+            scores, self.follower.stale_groups_by_worker(), self.follower.stale_workers()
         )
         best = hma_best(hits)
         best_worker = best.worker if best is not None else None
@@ -579,12 +579,11 @@ class ScoreApi:
 
 
 def _with_follower_view(
-    hits: list[WorkerHit], stale_groups: Mapping[str, set[int]], freshness: Freshness
+    hits: list[WorkerHit], stale_groups: Mapping[str, set[int]], stale: set[str]
 ) -> list[WorkerHit]:
     """The index's answers with what only the follower knows: the groups whose partition it no
     longer reads (group mode) and the workers that are stale. A current worker's answer, fully
     followed, is not copied: in replica mode with Kafka answering, none is."""
-    stale = freshness.stale_workers()
     if not stale_groups and not stale:
         return hits
     return [_followed(hit, stale_groups.get(hit.worker), hit.worker in stale) for hit in hits]

@@ -21,14 +21,19 @@ rule can be tested with plain values, no broker, no event loop.
 The index keeps the lives (each worker's epoch, the retired ones) and is saved with every
 snapshot: the rules read them through its own compare-and-advance calls (``start_epoch``,
 ``retire_worker``) rather than keep a second copy that could drift from it.
+
+A worker's lag behind the bridge (``freshness.lag_seqs``) changes only with a record or a state
+of its own, both of which pass here: so the workers past ``max_worker_lag`` are kept as each
+comes (``lagging``), and a score call reads them without reading every worker's lag.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
+from hmakv.consumers.freshness import DEFAULT_MAX_WORKER_LAG, behind, lag_seqs
 from hmakv.consumers.index import ApplyOutcome, KVIndex
 from hmakv.kvlog.records import (
     RETIRED,
@@ -111,6 +116,7 @@ EventOutcome = EventTaken | BadRecord
 StateOutcome = (
     StateTaken | StateIgnored | WorkerRetired | WorkerForgotten | KeylessTombstone | BadRecord
 )
+Outcome = TypeVar("Outcome", EventOutcome, StateOutcome)
 
 
 def decode_event(key: bytes | None, value: bytes | None) -> EventRecord | BadRecord:
@@ -205,14 +211,34 @@ class Applier:
         *,
         worker_states: Iterable[WorkerState] = (),
         key_partitions: Iterable[tuple[str, int, int]] = (),
+        max_worker_lag: int = DEFAULT_MAX_WORKER_LAG,
     ) -> None:
-        self.index = index
         self.keys = KeyBook(key_partitions)
         self._states = {state.worker: state for state in worker_states}
         # Per worker: the newest engine timestamp of a record applied by this process (not in
         # snapshots: how current this index is, not what the log holds).
         self._applied_ts: dict[str, float] = {}
         self._behind_noticed: set[tuple[str, int]] = set()
+        self._max_worker_lag = max_worker_lag
+        self._lagging: set[str] = set()
+        self.index = index
+
+    @property
+    def index(self) -> KVIndex:
+        return self._index
+
+    @index.setter
+    def index(self, index: KVIndex) -> None:
+        """A new index (restored, or a test's): every worker's lag is read again."""
+        self._index = index
+        self._lagging.clear()
+        for worker in index.progress():
+            self._note_lag(worker)
+
+    @property
+    def lagging(self) -> set[str]:
+        """The workers more than ``max_worker_lag`` seqs behind the bridge (a copy)."""
+        return set(self._lagging)
 
     def worker_state(self, worker: str) -> WorkerState | None:
         """The bridge's latest view of the worker taken, from the workers topic."""
@@ -238,12 +264,12 @@ class Applier:
         except Exception as error:
             # It may be half applied: forget the group rather than report blocks it may not hold.
             self.index.drop_group(record.worker, record.group_idx)
-            return _apply_error(error)
+            return self._noted(record.worker, _apply_error(error))
         if outcome is ApplyOutcome.APPLIED:
             self.keys.note(record.worker, record.group_idx, partition)
             newest = self._applied_ts.get(record.worker, record.ts)
             self._applied_ts[record.worker] = max(newest, record.ts)
-        return EventTaken(record, outcome)
+        return self._noted(record.worker, EventTaken(record, outcome))
 
     def apply_worker_state(
         self, key: bytes | None, value: bytes | None, *, replayed: bool
@@ -251,14 +277,30 @@ class Applier:
         """One record of the workers topic; ``replayed``: it was in the log before the follower
         caught up."""
         if value is None:
-            return self._forget(key.decode("utf-8", "replace") if key else "")
+            worker = key.decode("utf-8", "replace") if key else ""
+            return self._noted(worker, self._forget(worker))
         state = decode_state(key, value)
         if isinstance(state, BadRecord):
             return state
         try:
-            return self._take(state, replayed)
+            outcome = self._take(state, replayed)
         except Exception as error:
-            return _apply_error(error)
+            outcome = _apply_error(error)
+        return self._noted(state.worker, outcome)
+
+    def _noted(self, worker: str, outcome: Outcome) -> Outcome:
+        """The outcome, once the worker's lag after it is noted."""
+        if worker:
+            self._note_lag(worker)
+        return outcome
+
+    def _note_lag(self, worker: str) -> None:
+        progress = self.index.progress_of(worker)
+        lag = None if progress is None else lag_seqs(self._states.get(worker), *progress)
+        if behind(lag, self._max_worker_lag):
+            self._lagging.add(worker)
+        else:
+            self._lagging.discard(worker)
 
     def _take(self, state: WorkerState, replayed: bool) -> StateOutcome:
         if state.health == RETIRED:
@@ -347,6 +389,7 @@ class Applier:
             state = self._states.get(worker)
             if state is not None:
                 self._keep_catalog_and_health(state)
+            self._note_lag(worker)
         return restarted
 
 

@@ -208,7 +208,7 @@ class Follower:
     ) -> None:
         self.config = config
         self.store = store
-        self._applier = Applier(config.new_index())
+        self._applier = Applier(config.new_index(), max_worker_lag=config.freshness.max_worker_lag)
         self._contact = BrokerContact(clock)
         self._clock = clock
         self.speculation_ttl = SpeculationTtl(config.speculative_ttl_s)
@@ -709,6 +709,13 @@ class Follower:
         }
         return Freshness(self._contact.silence_s(), lags, self.config.freshness)
 
+    def stale_workers(self) -> set[str]:
+        """``freshness().stale_workers()`` for a score call, without reading every worker's lag:
+        the workers the applier found behind, or every worker while Kafka is silent."""
+        if self.config.freshness.silent(self._contact.silence_s()):
+            return set(self.index.progress())
+        return self._applier.lagging
+
     async def _watch_broker(self) -> None:
         """Ask Kafka for the workers topic's log ends, again and again, to hear that it answers.
 
@@ -826,7 +833,10 @@ class Follower:
             )
             return
         self._applier = Applier(
-            index, worker_states=snapshot.worker_states, key_partitions=snapshot.key_partitions
+            index,
+            worker_states=snapshot.worker_states,
+            key_partitions=snapshot.key_partitions,
+            max_worker_lag=self.config.freshness.max_worker_lag,
         )
         for saved in snapshot.offsets:
             self._positions[TopicPartition(saved.topic, saved.partition)] = saved.offset

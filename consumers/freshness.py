@@ -58,6 +58,10 @@ class FreshnessLimits:
         if self.max_worker_lag < 0:
             raise ValueError(f"max_worker_lag must not be negative: {self.max_worker_lag}")
 
+    def silent(self, broker_silence_s: float) -> bool:
+        """Whether Kafka has been silent too long for the index to vouch for any worker."""
+        return broker_silence_s > self.max_broker_silence_s
+
 
 class BrokerContact:
     """When Kafka last answered, on ``clock`` (seconds; monotonic unless a test gives its own).
@@ -86,6 +90,11 @@ def lag_seqs(state: WorkerState | None, epoch: int, applied_seq: int) -> int | N
     return max(0, state.last_seq - applied_seq)
 
 
+def behind(lag: int | None, max_worker_lag: int) -> bool:
+    """Whether a worker's lag (``lag_seqs``) makes it stale; an unknown lag is no sign of it."""
+    return lag is not None and lag > max_worker_lag
+
+
 def record_age(ts: float | None, now: float) -> float | None:
     """Seconds from an engine's batch timestamp to ``now`` (never below 0: the engine's clock
     may run ahead); None without a record."""
@@ -103,21 +112,18 @@ class Freshness:
 
     @property
     def broker_silent(self) -> bool:
-        return self.broker_silence_s > self.limits.max_broker_silence_s
+        return self.limits.silent(self.broker_silence_s)
 
     def stale(self, worker: str) -> bool:
         """Whether the index's answer for the worker may be behind what its engine holds; an
         unknown lag is no sign of being behind, a silent broker is one for every worker."""
-        if self.broker_silent:
-            return True
-        lag = self.lags.get(worker)
-        return lag is not None and lag > self.limits.max_worker_lag
+        return self.broker_silent or behind(self.lags.get(worker), self.limits.max_worker_lag)
 
     def stale_workers(self) -> set[str]:
         if self.broker_silent:
             return set(self.lags)
         limit = self.limits.max_worker_lag
-        return {worker for worker, lag in self.lags.items() if lag is not None and lag > limit}
+        return {worker for worker, lag in self.lags.items() if behind(lag, limit)}
 
 
 def not_ready(*, caught_up: bool, freshness: Freshness) -> list[NotReady]:

@@ -773,10 +773,12 @@ class KVIndex:
         """Every worker's epoch and the newest seq applied in it over its groups (-1 before
         any), which is what its lag behind the bridge is measured from; cheaper than
         ``workers``, for each score call."""
-        return {
-            name: (worker.epoch, max(worker.last_seq.values(), default=-1))
-            for name, worker in self._workers.items()
-        }
+        return {name: _progress(worker) for name, worker in self._workers.items()}
+
+    def progress_of(self, name: str) -> tuple[int, int] | None:
+        """``progress`` of one worker; None for a worker the index does not know."""
+        worker = self._workers.get(name)
+        return None if worker is None else _progress(worker)
 
     @staticmethod
     def _info(worker: _Worker) -> WorkerInfo:
@@ -1102,3 +1104,7 @@ def _worker_snapshot(worker: _Worker) -> index_snapshot.WorkerSnapshot:
         next_event=worker.next_event,
         hash_lookahead=worker.lookahead,
     )
+
+
+def _progress(worker: _Worker) -> tuple[int, int]:
+    return worker.epoch, max(worker.last_seq.values(), default=-1)

@@ -30,7 +30,7 @@ from hmakv.consumers.freshness import (
 from hmakv.consumers.index import KVIndex
 from hmakv.consumers.metrics import index_registry
 from hmakv.consumers.stats import ScoreStats
-from hmakv.kvlog.records import EventRecord, Topics, encode, event_key
+from hmakv.kvlog.records import EventRecord, Topics, WorkerState, encode, event_key
 
 
 class Clock:
@@ -151,6 +151,32 @@ def test_the_applied_timestamp_is_the_newest_applied_and_goes_with_the_worker() 
     retired = worker_state("w", "retired")
     applier.apply_worker_state(retired.key(), encode(retired), replayed=False)
     assert applier.applied_ts("w") is None
+
+
+def take(applier: Applier, state: WorkerState | None, worker: str = "w") -> None:
+    value = encode(state) if state is not None else None
+    applier.apply_worker_state(worker.encode(), value, replayed=False)
+
+
+def test_the_applier_keeps_the_workers_behind_the_bridge_as_records_and_states_come() -> None:
+    applier = Applier(KVIndex(), max_worker_lag=2)
+    read(applier, stamped("w", 0, 1.0))
+    assert applier.lagging == set()  # no bridge state: nothing to compare with
+    take(applier, worker_state("w", "live", last_seq=5))
+    assert applier.lagging == {"w"}  # 5 forwarded, 0 applied
+    read(applier, stamped("w", 3, 2.0))
+    assert applier.lagging == set()  # 2 behind: at the limit, not past it
+    ahead = worker_state("w", "live", last_seq=9)
+    take(applier, ahead)
+    assert applier.lagging == {"w"}
+    restored = Applier(applier.index, worker_states=[ahead], max_worker_lag=2)
+    assert restored.lagging == {"w"}  # read again from a restored index's progress
+    take(applier, worker_state("w", "live", epoch=1, last_seq=1))
+    assert applier.lagging == set()  # a new life: 2 of its seqs forwarded, none applied
+    take(applier, worker_state("w", "live", epoch=1, last_seq=2))
+    assert applier.lagging == {"w"}
+    take(applier, None)  # a tombstone
+    assert applier.lagging == set() and applier.index.progress_of("w") is None
 
 
 def test_progress_is_each_workers_epoch_and_newest_applied_seq() -> None:
