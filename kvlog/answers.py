@@ -175,11 +175,13 @@ def best_worker(answers: Iterable[A], rank: Callable[[A], Rank]) -> A | None:
     name among equal ranks, so the choice never depends on the order answers come in. None when
     no answer has a hit (its rank's first figure above 0): then no worker is better than any
     other, and a router sends the prompt where it likes."""
-    ranked = [(rank(answer), answer) for answer in answers]
-    top = max((figures for figures, _ in ranked), default=None)
-    if top is None or top[0] <= 0:
-        return None
-    return min((answer for figures, answer in ranked if figures == top), key=_worker_name)
+    best: A | None = None
+    top: Rank = (0.0,)
+    for answer in answers:  # one pass: a wide fleet's answer is scanned once per request
+        figures = rank(answer)
+        if figures > top or (best is not None and figures == top and answer.worker < best.worker):
+            best, top = answer, figures
+    return best if top[0] > 0 else None
 
 
 def hma_best(hits: Iterable[WorkerHit]) -> WorkerHit | None:
@@ -230,7 +232,3 @@ def speculative_score(hit: WorkerHit) -> float:
 
 def _group_blind_rank(hit: WorkerHit) -> Rank:
     return (hit.group_blind_hit_tokens,)
-
-
-def _worker_name(answer: Answer) -> str:
-    return answer.worker

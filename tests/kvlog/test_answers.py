@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hmakv.kvlog.answers import WorkerHit, best_worker, group_blind_answer, hma_best
 from hmakv.kvlog.records import Health
@@ -17,6 +19,23 @@ def test_the_highest_rank_wins_and_the_first_name_breaks_ties_whatever_the_order
     hits = [hit("c", 32), hit("b", 64), hit("a", 64)]
     assert best_worker(hits, lambda h: (h.hit_tokens,)) is hits[2]
     assert best_worker(reversed(hits), lambda h: (h.hit_tokens,)) is hits[2]
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abcdef"), st.integers(0, 3), st.integers(0, 3)),
+        unique_by=lambda answer: answer[0],
+    )
+)
+def test_the_best_is_the_top_rank_and_its_first_name_in_any_order(
+    answers: list[tuple[str, int, int]],
+) -> None:
+    hits = [hit(name, tokens, blind=blind) for name, tokens, blind in answers]
+    ranks = {h.worker: (float(h.hit_tokens), float(h.group_blind_hit_tokens)) for h in hits}
+    top = max(ranks.values(), default=(0.0, 0.0))
+    expected = min((w for w, r in ranks.items() if r == top), default=None) if top[0] else None
+    best = best_worker(hits, lambda h: ranks[h.worker])
+    assert (best.worker if best is not None else None) == expected
 
 
 def test_no_hit_names_no_worker() -> None:
