@@ -265,11 +265,12 @@ class Applier:
             # It may be half applied: forget the group rather than report blocks it may not hold.
             self.index.drop_group(record.worker, record.group_idx)
             return self._noted(record.worker, _apply_error(error))
-        if outcome is ApplyOutcome.APPLIED:
+        if outcome is ApplyOutcome.APPLIED:  # a duplicate or older life changed nothing
             self.keys.note(record.worker, record.group_idx, partition)
             newest = self._applied_ts.get(record.worker, record.ts)
             self._applied_ts[record.worker] = max(newest, record.ts)
-        return self._noted(record.worker, EventTaken(record, outcome))
+            self._note_lag(record.worker)
+        return EventTaken(record, outcome)
 
     def apply_worker_state(
         self, key: bytes | None, value: bytes | None, *, replayed: bool
