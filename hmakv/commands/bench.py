@@ -247,7 +247,7 @@ def run_scale_study(args: argparse.Namespace) -> int:
     print(scale_table(reports))
     met = scale_targets(reports)
     _report_targets(met, args.json, {"reports": [dataclasses.asdict(r) for r in reports]})
-    right = all(r.best_hits_right == r.prompts and r.ladder_right for r in reports)
+    right = all(r.best_hits_right == r.prompts and r.ladder.right for r in reports)
     return EXIT_OK if right else EXIT_FAILED
 
 

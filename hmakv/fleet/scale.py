@@ -54,6 +54,18 @@ class ScalePlan:
 
 
 @dataclass(frozen=True)
+class LadderReport:
+    """The ladder prompt's scores: the worst case, an answer per worker."""
+
+    hits: int  # distinct hits in its answer
+    p50_us: float
+    p99_us: float
+    hit_only_p50_us: float  # details=False
+    hit_only_p99_us: float
+    right: bool  # every worker's hit is its share, a whole one best
+
+
+@dataclass(frozen=True)
 class ScaleReport:
     workers: int
     blocks_per_worker: int
@@ -72,12 +84,7 @@ class ScaleReport:
         int  # prompts whose best worker is the one holding them, all but the last block
     )
     prompts: int
-    ladder_hits: int  # distinct hits in the ladder prompt's answer
-    ladder_p50_us: float
-    ladder_p99_us: float
-    ladder_hit_only_p50_us: float
-    ladder_hit_only_p99_us: float
-    ladder_right: bool  # every worker's hit is its share, a whole one best
+    ladder: LadderReport
 
 
 def shared_block(prompt: int, block: int) -> ExternalBlockHash:
@@ -179,7 +186,6 @@ def measure(plan: ScalePlan) -> ScaleReport:
         right += hits[0].worker == f"w{worker}" and whole
     score_p50, score_p99 = _quantiles_us(full)
     hit_p50, hit_p99 = _quantiles_us(hit_only)
-    ladder = _score_ladder(index, plan)
     return ScaleReport(
         workers=plan.workers,
         blocks_per_worker=plan.blocks,
@@ -196,26 +202,11 @@ def measure(plan: ScalePlan) -> ScaleReport:
         hit_only_p99_us=hit_p99,
         best_hits_right=right,
         prompts=plan.prompts,
-        ladder_hits=ladder.hits,
-        ladder_p50_us=ladder.p50_us,
-        ladder_p99_us=ladder.p99_us,
-        ladder_hit_only_p50_us=ladder.hit_only_p50_us,
-        ladder_hit_only_p99_us=ladder.hit_only_p99_us,
-        ladder_right=ladder.right,
+        ladder=_score_ladder(index, plan),
     )
 
 
-@dataclass(frozen=True)
-class _Ladder:
-    hits: int
-    p50_us: float
-    p99_us: float
-    hit_only_p50_us: float
-    hit_only_p99_us: float
-    right: bool
-
-
-def _score_ladder(index: KVIndex, plan: ScalePlan) -> _Ladder:
+def _score_ladder(index: KVIndex, plan: ScalePlan) -> LadderReport:
     """The ladder prompt scored ``LADDER_SCORES`` times with every detail and as many without."""
     hashes = [ladder_block(b) for b in range(plan.prompt_blocks)]
     num_tokens = plan.prompt_blocks * BLOCK_TOKENS
@@ -232,7 +223,7 @@ def _score_ladder(index: KVIndex, plan: ScalePlan) -> _Ladder:
     right = right and hits[0].hit_blocks == plan.prompt_blocks - 1
     p50, p99 = _quantiles_us(full)
     hit_p50, hit_p99 = _quantiles_us(hit_only)
-    return _Ladder(len(set(shares.values())), p50, p99, hit_p50, hit_p99, right)
+    return LadderReport(len(set(shares.values())), p50, p99, hit_p50, hit_p99, right)
 
 
 def _child(plan: ScalePlan, results: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -260,14 +251,14 @@ def scale_targets(reports: list[ScaleReport]) -> dict[str, bool]:
             met[f"{report.workers} workers: RSS {report.rss_mib:,.0f} MiB < 4 GiB"] = (
                 report.rss_mib < TARGET_RSS_MIB
             )
-            ladder_p99 = report.ladder_hit_only_p99_us
+            ladder_p99 = report.ladder.hit_only_p99_us
             met[
                 f"{report.workers} workers, the ladder: hit-only p99 {ladder_p99:,.0f} us < 1 ms"
             ] = ladder_p99 < TARGET_SCORE_P99_US
         met[f"{report.workers} workers: every best worker right"] = (
             report.best_hits_right == report.prompts
         )
-        met[f"{report.workers} workers: every worker's ladder hit right"] = report.ladder_right
+        met[f"{report.workers} workers: every worker's ladder hit right"] = report.ladder.right
     return met
 
 
@@ -285,9 +276,9 @@ def scale_table(reports: list[ScaleReport]) -> str:
             f"{r.build_seconds:>9.1f}{r.block_updates_per_s:>12,.0f}{r.rss_mib:>9,.0f}"
             f"{r.peak_rss_mib:>8,.0f}{r.bytes_per_entry:>9.1f}{r.score_p50_us:>11,.0f}"
             f"{r.score_p99_us:>8,.0f}{r.hit_only_p50_us:>9,.0f}{r.hit_only_p99_us:>8,.0f}"
-            f"{f'{r.best_hits_right}/{r.prompts}':>9}{r.ladder_hits:>12,}{r.ladder_p50_us:>8,.0f}"
-            f"{r.ladder_p99_us:>8,.0f}{r.ladder_hit_only_p50_us:>9,.0f}"
-            f"{r.ladder_hit_only_p99_us:>8,.0f}"
+            f"{f'{r.best_hits_right}/{r.prompts}':>9}{r.ladder.hits:>12,}{r.ladder.p50_us:>8,.0f}"
+            f"{r.ladder.p99_us:>8,.0f}{r.ladder.hit_only_p50_us:>9,.0f}"
+            f"{r.ladder.hit_only_p99_us:>8,.0f}"
         )
     if len(reports) > 1:
         small, large = reports[0], reports[-1]
