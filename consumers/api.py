@@ -228,6 +228,15 @@ class _BadRequest(Exception):
         self.status = status
 
 
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """An answer as bytes, for whichever server sends it: the aiohttp app or the router port."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
 _encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()
 
@@ -236,15 +245,24 @@ def _json(body: msgspec.Struct | dict[str, Any], status: int = 200) -> web.Respo
     return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
 
 
-def _answer(body: msgspec.Struct, msgpack: bool) -> web.Response:
+def _answer(body: msgspec.Struct, msgpack: bool) -> Reply:
     """A prompt's answer in the request's format."""
     if msgpack:
-        return web.Response(body=_msgpack_encoder.encode(body), content_type=MSGPACK)
-    return _json(body)
+        return Reply(200, _msgpack_encoder.encode(body), MSGPACK)
+    return Reply(200, _encoder.encode(body))
 
 
-def _is_msgpack(request: web.Request) -> bool:
-    return request.content_type in _MSGPACK_TYPES
+def error_reply(status: int, message: str) -> Reply:
+    return Reply(status, _encoder.encode(ErrorBody(message)))
+
+
+def _response(reply: Reply) -> web.Response:
+    return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
+
+
+def is_msgpack(content_type: str) -> bool:
+    """Whether a ``Content-Type`` (parameters and case aside) names msgpack."""
+    return content_type.partition(";")[0].strip().lower() in _MSGPACK_TYPES
 
 
 class _Decoder(Generic[P]):
@@ -254,7 +272,12 @@ class _Decoder(Generic[P]):
         self._json = msgspec.json.Decoder(kind)
         self._msgpack = msgspec.msgpack.Decoder(kind)
 
-    def decode(self, body: bytes, msgpack: bool) -> P:
+    def decode(self, body: bytes | _BadRequest, msgpack: bool) -> P:
+        """The request in ``body``, or the reason it was not read raised."""
+        if isinstance(body, _BadRequest):
+            raise body
+        if not body:
+            raise _BadRequest(400, f"empty body: expected a {'msgpack' if msgpack else 'JSON'} map")
         try:
             return self._msgpack.decode(body) if msgpack else self._json.decode(body)
         except msgspec.ValidationError as exc:
@@ -264,7 +287,7 @@ class _Decoder(Generic[P]):
 
 
 def _error(status: int, message: str) -> web.Response:
-    return _json(ErrorBody(message), status)
+    return _response(error_reply(status, message))
 
 
 @functools.lru_cache(maxsize=_HASHER_CACHE_SIZE)
@@ -347,44 +370,50 @@ class ScoreApi:
 
     async def score(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
-        msgpack = _is_msgpack(request)
+        body = await self._body(request)
+        return _response(self.score_reply(body, is_msgpack(request.content_type), started))
+
+    async def routed(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        return _response(self.routed_reply(body, is_msgpack(request.content_type)))
+
+    def score_reply(self, body: bytes | _BadRequest, msgpack: bool, started: float) -> Reply:
+        """``POST /v1/score``'s answer to a body read since ``started`` (or why it was not)."""
         try:
-            response = self._score(await self._body(request, self._decoder, msgpack))
+            response = self._score(self._decoder.decode(body, msgpack))
         except _BadRequest as bad:
             self.stats.record("rejected", time.perf_counter() - started)
-            return _error(bad.status, str(bad))
+            return error_reply(bad.status, str(bad))
         self.stats.record("ok", time.perf_counter() - started)
         return _answer(response, msgpack)
 
-    async def routed(self, request: web.Request) -> web.Response:
-        msgpack = _is_msgpack(request)
+    def routed_reply(self, body: bytes | _BadRequest, msgpack: bool) -> Reply:
+        """``POST /v1/routed``'s answer to a body (or to why it was not read)."""
         try:
-            routed = await self._body(request, self._routed_decoder, msgpack)
+            routed = self._routed_decoder.decode(body, msgpack)
             hashes, num_tokens = self._prompt(routed, self.follower.index.hash_block_size)
             blocks, ttl = self.follower.speculate(routed.worker, hashes, num_tokens, routed.ttl_s)
         except _BadRequest as bad:
             self.stats.record_routed("rejected")
-            return _error(bad.status, str(bad))
+            return error_reply(bad.status, str(bad))
         except UnknownWorker as unknown:
             self.stats.record_routed("unknown_worker")
-            return _error(404, f"unknown worker {unknown}: the index makes none up")
+            return error_reply(404, f"unknown worker {unknown}: the index makes none up")
         self.stats.record_routed("ok")
         answer = RoutedResponse(worker=routed.worker, speculated_blocks=blocks, expires_in_s=ttl)
         return _answer(answer, msgpack)
 
-    async def _body(self, request: web.Request, decoder: _Decoder[P], msgpack: bool) -> P:
+    async def _body(self, request: web.Request) -> bytes | _BadRequest:
+        """The body, or why it could not be read: the handlers count either."""
         try:
             async with asyncio.timeout(self.limits.read_timeout):
-                body = await request.read()
-        except TimeoutError as exc:  # a body shorter than its Content-Length, or a slow one
-            raise _BadRequest(408, f"body not read within {self.limits.read_timeout:g} s") from exc
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise _BadRequest(413, f"body larger than {self.limits.max_body_bytes} bytes") from exc
+                return await request.read()
+        except TimeoutError:  # a body shorter than its Content-Length, or a slow one
+            return _BadRequest(408, f"body not read within {self.limits.read_timeout:g} s")
+        except web.HTTPRequestEntityTooLarge:
+            return _BadRequest(413, f"body larger than {self.limits.max_body_bytes} bytes")
         except web.RequestPayloadError as exc:  # e.g. Content-Encoding: gzip on a body that is not
-            raise _BadRequest(400, f"unreadable body: {exc}") from exc
-        if not body:
-            raise _BadRequest(400, f"empty body: expected a {'msgpack' if msgpack else 'JSON'} map")
-        return decoder.decode(body, msgpack)
+            return _BadRequest(400, f"unreadable body: {exc}")
 
     def _score(self, request: ScoreRequest) -> ScoreResponse:
         index = self.follower.index

@@ -355,6 +355,19 @@ class IndexCollector(Collector):
             stats.routed,
             label="outcome",
         )
+        refused = CounterMetricFamily(
+            f"{PREFIX}_router_port_refused",
+            "Router-port requests refused by the port itself (bounds, token, path), by status",
+            labels=["status"],
+        )
+        for status, count in sorted(stats.router_port_refused.items()):
+            refused.add_metric([str(status)], count)
+        yield refused
+        yield GaugeMetricFamily(
+            f"{PREFIX}_router_port_connections",
+            "Connections open on the router port",
+            value=stats.router_port_connections,
+        )
 
 
 def index_registry(follower: Follower, score_stats: ScoreStats) -> CollectorRegistry:

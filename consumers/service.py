@@ -1,4 +1,5 @@
-"""``hmakv index`` wired together: the follower, its snapshot store, the HTTP API and /metrics.
+"""``hmakv index`` wired together: the follower, its snapshot store, the HTTP API and /metrics,
+and the router port where one is configured.
 
 The HTTP server starts before the follower restores its snapshot, so ``/healthz`` answers (and
 ``/readyz`` says 503) through a long restore instead of the process looking dead.
@@ -15,6 +16,7 @@ from aiohttp import web
 from hmakv.consumers.api import ApiLimits, HashingDefaults, ScoreApi, build_app
 from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.metrics import index_registry
+from hmakv.consumers.router_port import RouterPort
 from hmakv.consumers.snapshots import open_store
 from hmakv.consumers.stats import ScoreStats
 from hmakv.kvlog.kafka_client import check_access
@@ -37,6 +39,7 @@ class ServiceConfig:
     hashing: HashingDefaults = field(default_factory=HashingDefaults)
     limits: ApiLimits = field(default_factory=ApiLimits)
     api_token: str | None = field(default=None, repr=False)  # never in a log line
+    router_listen: tuple[str, int] | None = None  # the router port's host and port, if any
 
 
 class IndexService:
@@ -63,6 +66,9 @@ class IndexService:
         )
         self._app = build_app(self.api, token=config.api_token)
         self._runner: web.AppRunner | None = None
+        self.router_port = (
+            RouterPort(self.api, token=config.api_token) if config.router_listen else None
+        )
 
     @property
     def url(self) -> str:
@@ -71,9 +77,19 @@ class IndexService:
         host, port = self._runner.addresses[0][:2]
         return f"http://{host}:{port}"
 
+    @property
+    def router_url(self) -> str:
+        """Where the router port answers, once started."""
+        assert self.router_port is not None
+        host, port = self.router_port.address
+        return f"http://{host}:{port}"
+
     async def start(self) -> None:
         idle = self.config.limits.idle_timeout
         self._runner = await serve(self._app, self.config.host, self.config.port, idle)
+        if self.router_port is not None and self.config.router_listen is not None:
+            await self.router_port.start(*self.config.router_listen)
+            log.info("router port (/v1/score, /v1/routed) on %s", self.router_url)
         log.info(
             "index API on %s; snapshots: %s",
             self.url,
@@ -87,6 +103,8 @@ class IndexService:
         try:
             await self.follower.stop(final_snapshot=final_snapshot)
         finally:
+            if self.router_port is not None:
+                await self.router_port.stop()
             if self._runner is not None:
                 await self._runner.cleanup()
 

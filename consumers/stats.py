@@ -66,7 +66,7 @@ class ScoreStats:
 
     The HMA-aware and the group-blind answers' predicted hit tokens (each answer's best worker,
     0 without one), summed over answered requests, and how many requests the two answers named
-    different best workers; and routed-prompt notices by outcome.
+    different best workers; routed-prompt notices by outcome; the router port's refusals.
     """
 
     requests: dict[str, int] = field(default_factory=lambda: {"ok": 0, "rejected": 0})
@@ -77,6 +77,9 @@ class ScoreStats:
     routed: dict[str, int] = field(
         default_factory=lambda: {"ok": 0, "rejected": 0, "unknown_worker": 0}
     )
+    # The router port's requests refused before a reply (by status), and its open connections.
+    router_port_refused: dict[int, int] = field(default_factory=dict)
+    router_port_connections: int = 0
 
     def record(self, outcome: str, seconds: float) -> None:
         self.requests[outcome] = self.requests.get(outcome, 0) + 1

@@ -1,5 +1,6 @@
 """``hmakv index`` as a process: SIGTERM leaves a final snapshot, SIGKILL leaves the last one, and
-either way the next start restores it and reads only what came after."""
+either way the next start restores it and reads only what came after; the router port, where
+configured, answers as the main port does."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ EXIT_TIMEOUT_S = 60
 
 @contextmanager
 def index_process(
-    bootstrap: str, topics: Topics, snapshot: Path, port: int
+    bootstrap: str, topics: Topics, snapshot: Path, port: int, router_port: int | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
     command = [
         sys.executable, "-m", "hmakv.cli", "index",
@@ -40,6 +41,8 @@ def index_process(
         "HMAKV_KAFKA_BOOTSTRAP": bootstrap,
         "HMAKV_INDEX_LISTEN": f"127.0.0.1:{port}",
     }
+    if router_port is not None:
+        env["HMAKV_INDEX_ROUTER_LISTEN"] = f"127.0.0.1:{router_port}"
     process = subprocess.Popen(command, env=env)
     try:
         yield process
@@ -65,6 +68,10 @@ class Index:
         async with self.http.get(f"{self.url}/v1/workers") as response:
             return (await response.json())["workers"]
 
+    async def score(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        async with self.http.post(f"{url}/v1/score", json=body) as response:
+            return response.status, await response.read()
+
     async def consumed_events(self, topics: Topics) -> float:
         async with self.http.get(f"{self.url}/metrics") as response:
             text = await response.text()
@@ -87,9 +94,14 @@ async def test_sigterm_snapshots_and_a_restart_after_sigkill_reads_only_what_is_
     async with LogWriter(kafka_bootstrap, topics) as log, aiohttp.ClientSession() as http:
         index = Index(http, port)
         await log.events(*(record("w", seq, [stored([seq])]) for seq in range(6)))
-        with index_process(kafka_bootstrap, topics, snapshot, port) as process:
+        router_port = free_port()
+        with index_process(kafka_bootstrap, topics, snapshot, port, router_port) as process:
             await wait_until(index.ready, "the first process ready")
             assert (await index.workers())[0]["last_seq"] == {"0": 5}
+            prompt = {"block_hashes": [0, 1, 2], "details": False}
+            status, answer = await index.score(f"http://127.0.0.1:{router_port}", prompt)
+            assert status == 200 and b'"best":"w"' in answer
+            assert await index.score(index.url, prompt) == (status, answer)
             process.send_signal(signal.SIGTERM)
             assert process.wait(EXIT_TIMEOUT_S) == 0
         assert snapshot.is_file()
@@ -143,6 +155,7 @@ def test_missing_kafka_address_is_a_usage_error(tmp_path: Path) -> None:
         ["--snapshot-to", "s3://bucket"],
         ["--mode", "solo"],
         ["--listen", "8181"],
+        ["--router-listen", "8182"],
         ["--tier-weight", "GPU"],
         ["--follower-id", "a/b"],  # its snapshot's chunks are keyed <id>/<snapshot>/<n>
         ["--kafka", "host:abc"],
@@ -159,6 +172,7 @@ def test_bad_options_are_usage_errors(argument: list[str]) -> None:
         ("HMAKV_INDEX_MODE", "solo"),
         ("HMAKV_INDEX_HASH_FN", "sha256"),  # vLLM's name, not ours
         ("HMAKV_INDEX_TIER_WEIGHT", "GPU=1,bad"),
+        ("HMAKV_INDEX_ROUTER_LISTEN", "nowhere"),
     ],
 )
 def test_bad_options_from_the_environment_are_usage_errors(variable: str, value: str) -> None:
