@@ -49,8 +49,8 @@ from hmakv.bridge.relay import WorkerRelay  # noqa: E402
 from hmakv.bridge.sink import KafkaSink  # noqa: E402
 from hmakv.bridge.source import ConnectedSource, SubscriberDeps  # noqa: E402
 from hmakv.bridge.tracking import SequenceTracker  # noqa: E402
-from hmakv.commands.bridge import tune_garbage_collector  # noqa: E402
 from hmakv.kvlog import records  # noqa: E402
+from hmakv.kvlog.heap import tune_garbage_collector  # noqa: E402
 from hmakv.kvlog.records import Topics  # noqa: E402
 from hmakv.producer.events import KVEventBatch, decode  # noqa: E402
 from hmakv.producer.events import encode as encode_batch  # noqa: E402

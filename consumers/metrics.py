@@ -12,6 +12,7 @@ topic, reason, outcome. Never a block hash or a request detail.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator, Mapping
 
@@ -63,6 +64,12 @@ class IndexCollector(Collector):
         yield from self._freshness_families()
         yield from self._snapshot_families()
         yield from self._score_families()
+        yield GaugeMetricFamily(
+            f"{PREFIX}_gc_frozen_objects",
+            "Objects frozen out of the garbage collector (hmakv index freezes its heap once "
+            "caught up: kvlog.heap)",
+            value=gc.get_freeze_count(),
+        )
 
     def _index_families(self) -> Iterator[Metric]:
         follower = self._follower

@@ -163,10 +163,10 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         except httptools.HttpParserError as error:
-            self._refuse(400, f"malformed request: {error}")
+            self._close_with(400, f"malformed request: {error}")
             return
         if not self._headers_done and self._fed_in_head > MAX_HEAD_BYTES:  # a head still arriving
-            self._refuse(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+            self._close_with(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
 
     # ------------------------------------------------------------------------- the parser's calls
 
@@ -264,9 +264,13 @@ class _Connection(asyncio.Protocol):
         return error_reply(status, message)
 
     def _refuse(self, status: int, message: str) -> None:
+        """From the parser's calls: answers ``status``, closes, and stops the parser."""
+        self._close_with(status, message)
+        raise _Refused
+
+    def _close_with(self, status: int, message: str) -> None:
         """Answers ``status`` and closes: the rest of the request is not read."""
         self._send(self._refusal(status, message), keep_alive=False)
-        raise _Refused
 
     def _send(self, reply: Reply, *, keep_alive: bool) -> None:
         head = [
@@ -304,11 +308,7 @@ class _Connection(asyncio.Protocol):
             self._refuse(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
 
     def _timed_out(self) -> None:
-        limits = self._port.limits
-        self._send(
-            self._refusal(408, f"request not read within {limits.read_timeout:g} s"),
-            keep_alive=False,
-        )
+        self._close_with(408, f"request not read within {self._port.limits.read_timeout:g} s")
 
     def _arm(self, seconds: float, then: Callable[[], None]) -> None:
         self._disarm()

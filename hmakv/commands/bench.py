@@ -97,7 +97,9 @@ blocks in each of two cache groups (full attention and a 128-token window; 16 sy
 shared by the whole fleet, the rest its own), applied as the bridge's records; then 8k-token
 prompts (a system prompt and one worker's conversation) scored as /v1/score scores them, with
 and without details; then the score's worst case, a ladder prompt of which worker i of W holds
-the first (i+1)/W, so that nearly every worker's hit differs. Prints the build's block updates
+the first (i+1)/W, so that nearly every worker's hit differs, scored with CPython's default
+garbage collector and then, as everything else, with the heap frozen as `hmakv index` freezes
+it once caught up. Prints the build's block updates
 per second, RSS and bytes per resident entry, score p50/p99, and whether each prompt's best
 worker was the one holding it and each worker's ladder hit its share.
 """
@@ -247,7 +249,10 @@ def run_scale_study(args: argparse.Namespace) -> int:
     print(scale_table(reports))
     met = scale_targets(reports)
     _report_targets(met, args.json, {"reports": [dataclasses.asdict(r) for r in reports]})
-    right = all(r.best_hits_right == r.prompts and r.ladder.right for r in reports)
+    right = all(
+        r.best_hits_right == r.prompts and r.ladder.right and r.ladder_default_gc.right
+        for r in reports
+    )
     return EXIT_OK if right else EXIT_FAILED
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import signal
 import sys
@@ -39,6 +38,7 @@ from hmakv.bridge.frames import EventLimits
 from hmakv.bridge.roster import DEFAULT_JOINS_PER_MINUTE
 from hmakv.bridge.service import BridgeService, BridgeSettings, check_topology
 from hmakv.bridge.tracking import DEFAULT_MAX_BUFFERED
+from hmakv.kvlog.heap import tune_garbage_collector
 from hmakv.kvlog.kafka_client import KafkaRefusedError
 from hmakv.kvlog.logs import JsonFormatter
 
@@ -396,19 +396,6 @@ async def _serve(
         return EXIT_CRASHED
     crashed.cancel()
     return EXIT_OK
-
-
-def tune_garbage_collector() -> None:
-    """Collect young objects less often and never walk what start-up built.
-
-    Every engine batch allocates a few hundred short-lived objects, so with CPython's default
-    threshold (700) the collector runs every few batches, and its older generations walk every
-    long-lived object each time; almost nothing here forms cycles. Measured: about a fifth of
-    the bridge's CPU per batch (BENCHMARKS.md, bridge).
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
 
 
 def _schedule_reload(

@@ -2,6 +2,7 @@
 
 Wiring only: the follower, the API and the exporter live in ``consumers``. SIGTERM and SIGINT
 stop it cleanly: applied offsets committed (group mode), a final snapshot, clients closed.
+Once caught up it tunes the garbage collector (``kvlog.heap``).
 Exit codes: 0 after a clean stop, 1 after a failure (Kafka out of reach, say), 2 for a
 configuration that cannot run, security settings Kafka refuses among them.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import math
 import signal
@@ -29,7 +31,7 @@ from hmakv.argtypes import (
     positive_int,
 )
 from hmakv.consumers.api import ApiLimits, HashingDefaults
-from hmakv.consumers.follower import MODES, FollowerConfig
+from hmakv.consumers.follower import MODES, Follower, FollowerConfig
 from hmakv.consumers.freshness import (
     DEFAULT_MAX_BROKER_SILENCE_S,
     DEFAULT_MAX_WORKER_LAG,
@@ -47,6 +49,7 @@ from hmakv.consumers.speculation import (
     DEFAULT_MULTIPLIER,
     DEFAULT_TTL_S,
 )
+from hmakv.kvlog.heap import tune_garbage_collector
 from hmakv.kvlog.kafka_client import KafkaRefusedError
 from hmakv.kvlog.records import Topics
 from hmakv.producer.hashing import HASH_FUNCTIONS
@@ -56,6 +59,7 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_RUNTIME_FAILURE = 1
 EXIT_BAD_USAGE = 2
+READY_POLL_S = 0.5
 
 HELP = "follow the KV-event log in Kafka; serve /v1/score, /v1/workers and /metrics"
 DESCRIPTION = (
@@ -349,4 +353,18 @@ async def _serve(config: ServiceConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await IndexService(config).run_until(stop)
+    service = IndexService(config)
+    tuning = asyncio.create_task(_tune_once_caught_up(service.follower))
+    try:
+        await service.run_until(stop)
+    finally:
+        tuning.cancel()
+
+
+async def _tune_once_caught_up(follower: Follower) -> None:
+    """The index's heap is built once the log is read to where it ended at start (or the
+    snapshot restored and what followed it read): freeze it then, once."""
+    while not follower.ready:
+        await asyncio.sleep(READY_POLL_S)
+    tune_garbage_collector()
+    log.info("caught up: %d objects frozen out of the garbage collector", gc.get_freeze_count())

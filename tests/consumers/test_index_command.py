@@ -72,16 +72,20 @@ class Index:
         async with self.http.post(f"{url}/v1/score", json=body) as response:
             return response.status, await response.read()
 
-    async def consumed_events(self, topics: Topics) -> float:
+    async def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         async with self.http.get(f"{self.url}/metrics") as response:
             text = await response.text()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == "hmakv_index_records_consumed_total" and sample.labels == {
-                    "topic": topics.events
-                }:
+                if sample.name == name and sample.labels == (labels or {}):
                     return sample.value
         return 0.0
+
+    async def consumed_events(self, topics: Topics) -> float:
+        return await self.metric("hmakv_index_records_consumed_total", {"topic": topics.events})
+
+    async def heap_frozen(self) -> bool:
+        return await self.metric("hmakv_index_gc_frozen_objects") > 0
 
 
 @pytest.mark.kafka
@@ -102,6 +106,7 @@ async def test_sigterm_snapshots_and_a_restart_after_sigkill_reads_only_what_is_
             status, answer = await index.score(f"http://127.0.0.1:{router_port}", prompt)
             assert status == 200 and b'"best":"w"' in answer
             assert await index.score(index.url, prompt) == (status, answer)
+            await wait_until(index.heap_frozen, "the heap frozen once caught up")
             process.send_signal(signal.SIGTERM)
             assert process.wait(EXIT_TIMEOUT_S) == 0
         assert snapshot.is_file()

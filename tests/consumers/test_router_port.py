@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -230,11 +231,12 @@ CHUNKED = "Transfer-Encoding: chunked\r\n"
     ids=["length", "chunks", "not-http", "head", "head-unfinished", "url"],
 )
 async def test_a_request_refused_before_its_end_is_answered_and_the_connection_closed(
-    raw: bytes, status: int
+    raw: bytes, status: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with router_port() as port:
         got, headers, reader, _ = await send_refused(port, raw)
         assert (got, headers["connection"]) == (status, "close")
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert await closed(reader)
         assert refused(port) == {status: 1}
         assert port.receiving == 0
