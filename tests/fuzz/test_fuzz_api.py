@@ -1,6 +1,6 @@
-"""Schemathesis against the score API, from the OpenAPI document the live server serves: requests
-generated from each operation's schema, valid ones and ones the schema forbids, and every answer
-checked against the same document. No 5xx; every status is one the document lists for the
+"""Schemathesis against the score API (and the router port serving its prompt endpoints), from the
+OpenAPI document the live server serves: requests generated from each operation's schema, valid
+ones and ones the schema forbids, and every answer checked against the same document. No 5xx; every status is one the document lists for the
 operation, with its content type and a body its schema accepts; what the schema forbids is
 refused with a 4xx. A bounded number of cases per mode (``HMAKV_FUZZ_EXAMPLES`` for more).
 
@@ -37,6 +37,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 from hmakv.consumers.api import MSGPACK, ApiLimits, ScoreApi, build_app  # noqa: E402
 from hmakv.consumers.follower import Follower, FollowerConfig  # noqa: E402
 from hmakv.consumers.metrics import index_registry  # noqa: E402
+from hmakv.consumers.router_port import RouterPort  # noqa: E402
 from hmakv.consumers.stats import ScoreStats  # noqa: E402
 from hmakv.kafka.process import free_port  # noqa: E402
 from hmakv.kvlog import records  # noqa: E402
@@ -170,21 +171,26 @@ def filled_follower() -> Follower:
 
 
 @pytest.fixture(scope="module")
-def live_api() -> Iterator[str]:
-    """The app on a real socket, on its own loop in a thread; its base URL."""
+def live_api() -> Iterator[dict[str, str]]:
+    """The app and the router port over one API on real sockets, on their own loop in a
+    thread; their base URLs."""
     follower = filled_follower()
     stats = ScoreStats()
     api = ScoreApi(follower, index_registry(follower, stats), stats, limits=LIMITS)
     loop = asyncio.new_event_loop()
     port = free_port()
     runner = loop.run_until_complete(serve(build_app(api, token=TOKEN), "127.0.0.1", port))
+    router = RouterPort(api, token=TOKEN)
+    loop.run_until_complete(router.start("127.0.0.1", 0))
     thread = threading.Thread(target=loop.run_forever, name="score-api", daemon=True)
     thread.start()
+    host, router_port = router.address
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield {"main": f"http://127.0.0.1:{port}", "router": f"http://{host}:{router_port}"}
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+        loop.run_until_complete(router.stop())
         loop.run_until_complete(runner.cleanup())
         loop.close()
 
@@ -198,14 +204,18 @@ def session() -> Iterator[requests.Session]:
 
 # Each operation with its examples: the score call has a body to vary, the others little or
 # nothing (a request without parameters has no invalid form).
+# The router port (``--router-listen``) serves the prompt endpoints by the same document.
 OPERATIONS = [
-    ("POST /v1/score", GenerationMode.POSITIVE, 200),
-    ("POST /v1/score", GenerationMode.NEGATIVE, 200),
-    ("GET /v1/workers", GenerationMode.POSITIVE, 5),
-    ("GET /healthz", GenerationMode.POSITIVE, 5),
-    ("GET /readyz", GenerationMode.POSITIVE, 5),
-    ("GET /metrics", GenerationMode.POSITIVE, 5),
-    ("GET /openapi.json", GenerationMode.POSITIVE, 5),
+    ("main", "POST /v1/score", GenerationMode.POSITIVE, 200),
+    ("main", "POST /v1/score", GenerationMode.NEGATIVE, 200),
+    ("router", "POST /v1/score", GenerationMode.POSITIVE, 100),
+    ("router", "POST /v1/score", GenerationMode.NEGATIVE, 100),
+    ("router", "POST /v1/routed", GenerationMode.POSITIVE, 50),
+    ("main", "GET /v1/workers", GenerationMode.POSITIVE, 5),
+    ("main", "GET /healthz", GenerationMode.POSITIVE, 5),
+    ("main", "GET /readyz", GenerationMode.POSITIVE, 5),
+    ("main", "GET /metrics", GenerationMode.POSITIVE, 5),
+    ("main", "GET /openapi.json", GenerationMode.POSITIVE, 5),
 ]
 # What refuses a request the schema forbids: 400, or 413 where it is too large (maxItems, the
 # limits the document states), as documented.
@@ -215,16 +225,22 @@ CONFIG = schemathesis.Config.from_dict(
 
 
 @pytest.mark.parametrize(
-    ("label", "mode", "examples"),
+    ("server", "label", "mode", "examples"),
     OPERATIONS,
-    ids=[f"{label}-{mode.value}" for label, mode, _ in OPERATIONS],
+    ids=[f"{server}-{label}-{mode.value}" for server, label, mode, _ in OPERATIONS],
 )
 def test_every_answer_conforms_to_the_served_document(
-    live_api: str, session: requests.Session, label: str, mode: GenerationMode, examples: int
+    live_api: dict[str, str],
+    session: requests.Session,
+    server: str,
+    label: str,
+    mode: GenerationMode,
+    examples: int,
 ) -> None:
     # The document as the server serves it (``from_url`` would leave out the operation that
     # serves it: here it is fuzzed like the others).
-    document = session.get(f"{live_api}/openapi.json", timeout=10).json()
+    document = session.get(f"{live_api['main']}/openapi.json", timeout=10).json()
+    base_url = live_api[server]
     schema = schemathesis.openapi.from_dict(document, config=CONFIG)
     [operation] = [
         result.ok() for result in schema.get_all_operations() if result.ok().label == label
@@ -237,7 +253,7 @@ def test_every_answer_conforms_to_the_served_document(
     @fuzz_settings(examples)
     @given(case=operation.as_strategy(generation_mode=mode))
     def fuzz(case: Any) -> None:
-        response = case.call_and_validate(base_url=live_api, session=session, checks=checks)
+        response = case.call_and_validate(base_url=base_url, session=session, checks=checks)
         statuses.add(response.status_code)
         media_types.add(case.media_type)
 
