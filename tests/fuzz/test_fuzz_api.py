@@ -1,8 +1,9 @@
 """Schemathesis against the score API (and the router port serving its prompt endpoints), from the
 OpenAPI document the live server serves: requests generated from each operation's schema, valid
-ones and ones the schema forbids, and every answer checked against the same document. No 5xx; every status is one the document lists for the
-operation, with its content type and a body its schema accepts; what the schema forbids is
-refused with a 4xx. A bounded number of cases per mode (``HMAKV_FUZZ_EXAMPLES`` for more).
+ones and ones the schema forbids, and every answer checked against the same document. No 5xx;
+every status is one the document lists for the operation, with its content type and a body its
+schema accepts; what the schema forbids is refused with a 4xx. A bounded number of cases per
+mode (``HMAKV_FUZZ_EXAMPLES`` for more).
 
 The server is the index's app (``build_app``, bearer token on) served by ``kvlog.web.serve`` on
 a free port, on its own event loop in a thread (schemathesis calls it with ``requests``). The
