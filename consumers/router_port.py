@@ -8,16 +8,11 @@ serves the two endpoints it calls on a port of their own: an ``asyncio.Protocol`
 the aiohttp app sends, so the two ports cannot answer differently. Everything else (health,
 readiness, metrics, the OpenAPI document, ``/v1/workers``) stays on the main port.
 
-The bounds are the main port's (``ApiLimits`` and the bearer token), enforced here without
-aiohttp: a head over ``MAX_HEAD_BYTES`` is 431, a body over ``max_body_bytes`` 413 (by its
-``Content-Length`` before it is read, or as its chunks arrive), a request not complete within
-``read_timeout`` of its first byte 408, a connection waiting ``idle_timeout`` for its next request
-is closed, at most ``max_concurrent`` bodies are buffered at once (429 past them), and a client
-that does not read its answers stops being read. Each refusal is counted by status in
-``hmakv_index_router_port_refused_total``. A refusal that leaves the rest of the body unread
-closes the connection; one of a complete request (401, 404, 405, a bad body) keeps it open.
-Requests are answered in order, pipelined or not; each is answered synchronously as its last
-byte is parsed, on the follower's event loop, as the aiohttp handlers are.
+The bounds are the main port's (``ApiLimits`` and the bearer token), enforced here by hand
+since aiohttp is not there; which answer each gets, and when the connection closes:
+consumers/README.md, "The router port". Each request is answered synchronously as its last
+byte is parsed, on the follower's event loop, as the aiohttp handlers are, so pipelined ones are
+answered in order.
 """
 
 from __future__ import annotations
@@ -38,6 +33,7 @@ log = logging.getLogger(__name__)
 _failures = RateLimitedLog(log)
 
 MAX_HEAD_BYTES = 16 * 1024  # request line and headers; a router's are a few hundred bytes
+LINGER_S = 2.0  # a closing connection's input is drained this long
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 # A route's reply to a complete body: (body, msgpack, started) -> Reply.
@@ -160,7 +156,7 @@ class _Connection(asyncio.Protocol):
                 raise
             return
         except httptools.HttpParserUpgrade:  # the request was answered; no protocol switch
-            self.close()
+            self._finish()
             return
         except httptools.HttpParserError as error:
             self._close_with(400, f"malformed request: {error}")
@@ -294,7 +290,7 @@ class _Connection(asyncio.Protocol):
         head += (b"\r\n", reply.body)
         self._write(b"".join(head))
         if not keep_alive:
-            self.close()
+            self._finish()
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self._closing:
@@ -323,6 +319,17 @@ class _Connection(asyncio.Protocol):
         if self._holds_slot:
             self._port.receiving -= 1
             self._holds_slot = False
+
+    def _finish(self) -> None:
+        """Closes after an answer: half-closes, then reads and drops what the client still
+        sends for up to ``LINGER_S``, as a client that is still sending a refused body would have
+        its answer lost to the reset that closing on unread input sends."""
+        self._closing = True
+        self._release_slot()
+        assert self.transport is not None
+        self.transport.write_eof()
+        self.transport.resume_reading()
+        self._arm(LINGER_S, self.close)
 
     def close(self) -> None:
         self._closing = True

@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -31,6 +31,7 @@ from hmakv.kvlog.records import Topics
 from hmakv.producer.hashing import PackedTokenIds
 
 TOKEN = "router-token"
+CHUNKED = "Transfer-Encoding: chunked\r\n"
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"
 FAST = ApiLimits(
     max_body_bytes=LIMITS.max_body_bytes,
@@ -100,6 +101,15 @@ async def send_refused(
     status, headers, body = await read_answer(reader)
     assert headers["content-type"] == "application/json" and "error" in json.loads(body)
     return status, headers, reader, writer
+
+
+async def eventually(condition: Callable[[], bool]) -> None:
+    """What the port does once a client's close reaches it."""
+    for _ in range(200):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the port did not get there in 2 s")
 
 
 def refused(port: RouterPort) -> dict[int, int]:
@@ -207,9 +217,6 @@ async def test_without_a_token_configured_none_is_asked_for() -> None:
         writer.close()
 
 
-CHUNKED = "Transfer-Encoding: chunked\r\n"
-
-
 @pytest.mark.parametrize(
     ("raw", "status"),
     [
@@ -265,16 +272,37 @@ async def test_a_slow_request_is_408_and_an_idle_connection_is_closed() -> None:
         status, headers, _ = await read_answer(reader)
         assert (status, headers["connection"]) == (408, "close")
         assert await closed(reader)
+        writer.close()
 
         reader, writer = await connect(port)  # says nothing at all
         assert await closed(reader)
+        writer.close()
 
         reader, writer = await connect(port)  # one answer, then nothing
         writer.write(request(json.dumps({"token_ids": PROMPT}).encode()))
         assert (await read_answer(reader))[0] == 200
         assert await closed(reader)
+        writer.close()
         assert refused(port) == {408: 1}
-        assert port.stats.router_port_connections == 0
+        await eventually(lambda: port.stats.router_port_connections == 0)
+
+
+async def test_a_client_still_sending_a_refused_body_reads_its_answer() -> None:
+    """Closing a socket with unread input resets it, which can cost the client the answer it
+    was sent: the port half-closes and drains the rest first."""
+    async with router_port() as port:
+        for _ in range(20):
+            reader, writer = await connect(port)
+            writer.write(f"POST /v1/score HTTP/1.1\r\n{AUTH}{CHUNKED}\r\n".encode())
+            chunk = b"10000\r\n" + b" " * 0x10000 + b"\r\n"
+            for _ in range(16):  # 1 MiB against a 64 KiB limit, still arriving after the 413
+                writer.write(chunk)
+                await writer.drain()
+            status, headers, _ = await read_answer(reader)
+            assert (status, headers["connection"]) == (413, "close")
+            assert await closed(reader)
+            writer.close()
+        await eventually(lambda: port.stats.router_port_connections == 0)
 
 
 async def test_bodies_past_max_concurrent_get_429_and_the_slot_comes_back() -> None:
