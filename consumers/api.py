@@ -435,7 +435,7 @@ class ScoreApi:
         hits = _with_follower_view(
             scores, self.follower.stale_groups_by_worker(), self.follower.stale_workers()
         )
-        best = hma_best(hits)
+        best = hma_best(hits, ranked=True)  # the follower's view keeps the index's order
         best_worker = best.worker if best is not None else None
         blind = None
         if request.details:  # the HMA and group-blind answers are compared where both exist

@@ -184,12 +184,20 @@ def best_worker(answers: Iterable[A], rank: Callable[[A], Rank]) -> A | None:
     return best if top[0] > 0 else None
 
 
-def hma_best(hits: Iterable[WorkerHit]) -> WorkerHit | None:
+def hma_best(hits: Iterable[WorkerHit], *, ranked: bool = False) -> WorkerHit | None:
     """``ScoreResponse.best``: of the workers a router may be sent to, the one with the most
     tier-weighted tokens counting speculative blocks as GPU ones, then without them, then the
     longest GPU hit. A prompt routed a moment ago is where its follow-up hits, before the
-    engine's events say so; without speculation the first two figures are equal."""
-    return best_worker(filter(routable, hits), _hma_rank)
+    engine's events say so; without speculation the first two figures are equal.
+
+    ``ranked``: the hits come in this very order, names ascending among equals, as the index
+    answers them (``KVIndex.score``); then the first routable one is the best, found without
+    ranking every worker (at 1,000 workers that pass cost more than the score).
+    """
+    if not ranked:
+        return best_worker(filter(routable, hits), _hma_rank)
+    first = next(filter(routable, hits), None)
+    return first if first is not None and speculative_score(first) > 0 else None
 
 
 def group_blind_answer(hits: Iterable[WorkerHit]) -> GroupBlindAnswer:

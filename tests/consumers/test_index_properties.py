@@ -21,6 +21,7 @@ from test_index_model import ReferenceIndex
 
 import hmakv.consumers.index
 from hmakv.consumers.index import KVIndex
+from hmakv.kvlog.answers import WorkerHit, hma_best
 from hmakv.kvlog.records import EventRecord
 from hmakv.producer.events import (
     AllBlocksCleared,
@@ -206,6 +207,15 @@ class Fleet:
         assert self.index.apply(record) == self.model.apply(record)
 
 
+def assert_best_first(hits: list[WorkerHit]) -> None:
+    """The answer is in ``hma_best``'s order, so that the API's best is its first routable
+    worker: also once the follower marks any of them stale (it keeps the order)."""
+    for stale in range(len(hits) + 1):
+        viewed = [msgspec.structs.replace(h, stale=i < stale) for i, h in enumerate(hits)]
+        assert hma_best(viewed, ranked=True) == hma_best(viewed)
+        assert hma_best(viewed[::-1]) == hma_best(viewed)
+
+
 def assert_same(
     index: KVIndex, model: ReferenceIndex, fleet: Fleet, token_counts: list[int]
 ) -> None:
@@ -226,7 +236,9 @@ def assert_same(
     probes = [(prompt, n) for prompt in fleet.prompts for n in [*token_counts, whole]]
     probes += [([h, h], 2 * HASH_BLOCK + 1) for h in {h for p in fleet.prompts for h in p}]
     for prompt, num_tokens in probes:
-        scores = {s.worker: s for s in index.score(prompt, num_tokens)}
+        hits = index.score(prompt, num_tokens)
+        assert_best_first(hits)
+        scores = {s.worker: s for s in hits}
         assert set(scores) == set(model.workers)
         for name, got in scores.items():
             assert got.hit_tokens == model.hit_tokens(name, prompt, num_tokens), name
