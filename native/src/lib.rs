@@ -32,10 +32,20 @@ impl HashFn {
         }
     }
 
-    fn digest(self, data: &[u8]) -> Vec<u8> {
+    fn size(self) -> usize {
         match self {
-            Self::Sha256Cbor => Sha256::digest(data).to_vec(),
-            Self::XxhashCbor => xxhash_rust::xxh3::xxh3_128(data).to_be_bytes().to_vec(),
+            Self::Sha256Cbor => 32,
+            Self::XxhashCbor => 16,
+        }
+    }
+
+    /// The digest of `data`, appended to `out`.
+    fn digest_into(self, data: &[u8], out: &mut Vec<u8>) {
+        match self {
+            Self::Sha256Cbor => out.extend_from_slice(&Sha256::digest(data)),
+            Self::XxhashCbor => {
+                out.extend_from_slice(&xxhash_rust::xxh3::xxh3_128(data).to_be_bytes())
+            }
         }
     }
 }
@@ -66,30 +76,36 @@ fn encode_block(buffer: &mut Vec<u8>, previous: &[u8], block: &[u64], lookahead:
     }
 }
 
+/// The chained digests of the full blocks, one after another, `hash_fn.size()` bytes each.
 fn chain(
     hash_fn: HashFn,
     parent: &[u8],
     tokens: &[u64],
     block_size: usize,
     lookahead: usize,
-) -> PyResult<Vec<Vec<u8>>> {
+) -> PyResult<Vec<u8>> {
     if block_size == 0 {
         return Err(PyValueError::new_err("block_size must be positive, got 0"));
     }
+    let size = hash_fn.size();
     let num_blocks = tokens.len().saturating_sub(lookahead) / block_size;
     let mut buffer = Vec::with_capacity(64 + 9 * (block_size + lookahead));
-    let mut digests: Vec<Vec<u8>> = Vec::with_capacity(num_blocks);
+    let mut digests: Vec<u8> = Vec::with_capacity(num_blocks * size);
     for index in 0..num_blocks {
         let start = index * block_size;
         let end = start + block_size;
-        let previous = digests.last().map_or(parent, Vec::as_slice);
+        let previous = if index == 0 {
+            parent
+        } else {
+            &digests[(index - 1) * size..index * size]
+        };
         encode_block(
             &mut buffer,
             previous,
             &tokens[start..end],
             &tokens[end..end + lookahead],
         );
-        digests.push(hash_fn.digest(&buffer));
+        hash_fn.digest_into(&buffer, &mut digests);
     }
     Ok(digests)
 }
@@ -151,9 +167,10 @@ fn block_hashes<'py>(
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     let hash_fn = HashFn::named(hash_fn)?;
     let token_ids = tokens(token_ids)?;
+    let size = hash_fn.size();
     let digests = py.allow_threads(|| chain(hash_fn, parent, &token_ids, block_size, lookahead))?;
     Ok(digests
-        .iter()
+        .chunks_exact(size)
         .map(|digest| PyBytes::new(py, digest))
         .collect())
 }
@@ -173,7 +190,7 @@ fn external_hashes(
     let token_ids = tokens(token_ids)?;
     py.allow_threads(|| {
         let digests = chain(hash_fn, parent, &token_ids, block_size, lookahead)?;
-        Ok(digests.iter().map(|digest| external(digest)).collect())
+        Ok(digests.chunks_exact(hash_fn.size()).map(external).collect())
     })
 }
 
