@@ -16,6 +16,10 @@ document stay open to probes and scrapers. At most ``max_concurrent`` requests a
 (probes aside), the rest answered 429 with ``Retry-After`` at once: a flood must not queue up in
 front of the follower's event loop, which applies the log. A body not read within
 ``read_timeout`` is 408; ``kvlog.web`` closes idle connections and quiets aiohttp's log.
+
+The prompt endpoints' answers are made from the body alone (``score_reply``, ``routed_reply``:
+a ``Reply`` of status, bytes and type), so that the router port (``router_port``) sends the
+very bytes the aiohttp handlers send.
 """
 
 from __future__ import annotations
