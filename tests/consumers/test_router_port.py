@@ -311,7 +311,7 @@ async def test_bodies_past_max_concurrent_get_429_and_the_slot_comes_back() -> N
         body = json.dumps({"token_ids": PROMPT}).encode()
         raw = request(body)
         holder.write(raw[:-10])  # holds the one slot while the rest of its body is awaited
-        await asyncio.sleep(0.05)
+        await eventually(lambda: port.receiving == 1)
         reader, writer = await connect(port)
         writer.write(raw)
         status, headers, _ = await read_answer(reader)
