@@ -261,7 +261,10 @@ def longest_hits(
     """
     if _NATIVE is not None:
         lanes = [acceptance.lane(everyone) for acceptance in acceptances]
-        return _NATIVE.longest_hits(lanes, everyone, align, max_tokens)
+        try:
+            return _NATIVE.longest_hits(lanes, everyone, align, max_tokens)
+        except OverflowError:  # a block size or alignment past 64 bits, as a store may claim
+            pass
     return scan(acceptances, everyone, align, max_tokens)
 
 

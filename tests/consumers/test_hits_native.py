@@ -102,3 +102,18 @@ def test_bad_lanes_are_refused_not_guessed() -> None:
         hmakv_native.longest_hits([("prefix", 16, 0, 0, edges, held)], 1, 0, 64)
     with pytest.raises(OverflowError):
         hmakv_native.longest_hits([("prefix", 16, 0, 0, edges, [-1])], 1, 16, 64)
+
+
+def test_a_block_size_past_64_bits_is_scanned_in_python_alike() -> None:
+    """A store may claim any block size (the index fuzzer found one whose catalog's alignment
+    passed 2**64): the native scan cannot take it, the specification can, and answers."""
+    huge = GroupRule(0, "prefix", 2**64 + HASH_BLOCK)
+    acceptances = [
+        Acceptance(GroupRule(0, "prefix", HASH_BLOCK), Column([0b11] * 4), 0),
+        Acceptance(huge, Column([]), 2),
+    ]
+    align = math.lcm(HASH_BLOCK, huge.block_size)
+    with pytest.raises(OverflowError):
+        hmakv_native.longest_hits([a.lane(0b11) for a in acceptances], 0b11, align, 4 * HASH_BLOCK)
+    assert longest_hits(acceptances, 0b11, align, 4 * HASH_BLOCK) == [(0, 0b11)]
+    assert scan(acceptances, 0b11, align, 4 * HASH_BLOCK) == [(0, 0b11)]
