@@ -54,15 +54,19 @@ async def test_an_engine_killed_and_restarted_is_a_new_epoch_without_the_old_blo
         await fleet.serve(10, to=["engine-a"])
         await fleet.until(lambda: new_life_followed(fleet), "the index follows the new life")
         await fleet.settle()
-        # What the old life held and the new one does not must score 0 there now.
+        # What the old life held and the new one does not must not score there now. The new
+        # life's prompts may bring back every system prompt, so that no old prompt scores 0
+        # (seen once in CI): what shrank is what it lost.
         agreement = await fleet.assert_agreement(old_prompts)
-        gone = [agreement.by_prompt[p]["engine-a"] for p in held]
-        gone = [c for c in gone if c.actual == 0]
+        lives = [
+            (old_life.by_prompt[p]["engine-a"], agreement.by_prompt[p]["engine-a"]) for p in held
+        ]
+        gone = [now for before, now in lives if now.actual < before.actual]
         bridge = await fleet.bridge_metrics()
         index = await fleet.index_metrics()
         views = await fleet.workers()
     assert gone, "the new life holds all the old one did: the check proves nothing"
-    assert all(c.hma == 0 for c in gone)
+    assert all(c.hma == c.actual for c in gone)  # the index lost what the engine lost
     assert bridge.total(f"{BRIDGE}_epochs_started_total", worker="engine-a") == 1
     assert bridge.total(f"{BRIDGE}_epochs_started_total", worker="engine-b") == 0
     assert bridge.total(f"{BRIDGE}_worker_epoch", worker="engine-a") == 1
