@@ -14,7 +14,7 @@ def external_hashes(
     token_ids: list[int] | tuple[int, ...] | bytes,
     block_size: int,
     lookahead: int = 0,
-) -> list[int]: ...
+) -> bytes: ...  # native-endian uint64s: the bytes of an array('Q')
 
 # consumers/hit_rule.py's longest_hits (the specification) over lanes: (rule, block size,
 # window blocks, chunk size, run edges, run holders masked to everyone's slots).
@@ -26,6 +26,7 @@ def longest_hits(
 ) -> list[tuple[int, int]]: ...
 
 # One medium's block hash -> packed holders table (consumers/block_table.py: the specification).
+# get_many and runs read an array('Q') of keys in place.
 class BlockTable:
     def __init__(self, items: Iterable[tuple[int | bytes, int]] | None = None) -> None: ...
     def __len__(self) -> int: ...

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from array import array
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeAlias, TypeVar
 
 import cbor2
 import xxhash
@@ -79,6 +80,9 @@ class PackedTokenIds:
 
 
 TokenIds = Sequence[int] | PackedTokenIds
+# A prompt's hashes in vLLM's external form, as uint64s in one buffer.
+ExternalHashes: TypeAlias = "array[int]"  # (subscripted only for the type checker on 3.11)
+EXTERNAL_HASHES_TYPECODE = "Q"
 # What hmakv_native reads: ints, or a PackedTokenIds' bytes.
 Tokens = list[int] | tuple[int, ...] | bytes
 
@@ -93,7 +97,7 @@ class _NativeHasher(Protocol):
 
     def external_hashes(
         self, hash_fn: str, parent: bytes, token_ids: Tokens, block_size: int, lookahead: int = 0
-    ) -> list[int]: ...
+    ) -> bytes: ...
 
 
 def _native_hashing() -> _NativeHasher | None:
@@ -203,20 +207,22 @@ class BlockHasher:
         *,
         extra_keys: Sequence[BlockExtraKeys] | None = None,
         lookahead: int = 0,
-    ) -> list[int]:
+    ) -> ExternalHashes:
         """``block_hashes`` in vLLM's external form, as a router looks them up."""
         if _NATIVE is not None and extra_keys is None:
             _full_blocks(len(token_ids), block_size, lookahead)
             try:
-                return _NATIVE.external_hashes(
+                packed = _NATIVE.external_hashes(
                     self.hash_fn, self.none_hash, _native_form(token_ids), block_size, lookahead
                 )
             except (OverflowError, TypeError):
                 pass  # as in block_hashes
+            else:
+                return array(EXTERNAL_HASHES_TYPECODE, packed)
         digests = self.block_hashes(
             token_ids, block_size, extra_keys=extra_keys, lookahead=lookahead
         )
-        return [external(digest) for digest in digests]
+        return array(EXTERNAL_HASHES_TYPECODE, map(external, digests))
 
     def _python_block_hashes(
         self,

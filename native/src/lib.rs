@@ -175,23 +175,26 @@ fn block_hashes<'py>(
         .collect())
 }
 
-/// The same blocks' hashes in vLLM's external form: each digest's last 8 bytes, big-endian.
+/// The same blocks' hashes in vLLM's external form (each digest's last 8 bytes, big-endian), packed
+/// as native-endian u64s: the bytes of an `array('Q')`, which the index's tables read in place.
 #[pyfunction]
 #[pyo3(signature = (hash_fn, parent, token_ids, block_size, lookahead=0))]
-fn external_hashes(
-    py: Python<'_>,
+fn external_hashes<'py>(
+    py: Python<'py>,
     hash_fn: &str,
     parent: &[u8],
     token_ids: &Bound<'_, PyAny>,
     block_size: usize,
     lookahead: usize,
-) -> PyResult<Vec<u64>> {
+) -> PyResult<Bound<'py, PyBytes>> {
     let hash_fn = HashFn::named(hash_fn)?;
     let token_ids = tokens(token_ids)?;
-    py.allow_threads(|| {
+    let packed = py.allow_threads(|| {
         let digests = chain(hash_fn, parent, &token_ids, block_size, lookahead)?;
-        Ok(digests.chunks_exact(hash_fn.size()).map(external).collect())
-    })
+        let externals = digests.chunks_exact(hash_fn.size()).map(external);
+        PyResult::Ok(externals.flat_map(u64::to_ne_bytes).collect::<Vec<u8>>())
+    })?;
+    Ok(PyBytes::new(py, &packed))
 }
 
 #[pymodule]

@@ -10,6 +10,7 @@
 //! hash that is no u64 is never held: a store refuses it, a removal finds it missing.
 
 use hashbrown::HashMap;
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList};
@@ -39,6 +40,43 @@ fn block_key(item: &Bound<'_, PyAny>) -> Option<u64> {
         return None;
     }
     item.extract().ok()
+}
+
+/// A prompt's keys as a lookup reads them: packed u64s (the hasher's `array('Q')`, copied once),
+/// a list's items without a Python index each, or any other sequence's.
+enum Keys<'py> {
+    Packed(Vec<u64>),
+    List(Bound<'py, PyList>),
+    Any(Bound<'py, PyAny>),
+}
+
+impl<'py> Keys<'py> {
+    fn of(py: Python<'_>, keys: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(list) = keys.downcast::<PyList>() {
+            return Ok(Self::List(list.clone()));
+        }
+        match PyBuffer::<u64>::get(keys) {
+            Ok(packed) if packed.dimensions() == 1 => Ok(Self::Packed(packed.to_vec(py)?)),
+            _ => Ok(Self::Any(keys.clone())),
+        }
+    }
+
+    fn len(&self) -> PyResult<usize> {
+        match self {
+            Self::Packed(packed) => Ok(packed.len()),
+            Self::List(list) => Ok(list.len()),
+            Self::Any(keys) => keys.len(),
+        }
+    }
+
+    /// The key at `index` (< `len`), if it is one a table can hold.
+    fn at(&self, index: usize) -> PyResult<Option<u64>> {
+        Ok(match self {
+            Self::Packed(packed) => Some(packed[index]),
+            Self::List(list) => list.get_item(index)?.extract().ok(),
+            Self::Any(keys) => keys.get_item(index)?.extract().ok(),
+        })
+    }
 }
 
 impl BlockTable {
@@ -105,9 +143,11 @@ impl BlockTable {
         keys: &Bound<'_, PyAny>,
         default: PyObject,
     ) -> PyResult<Vec<PyObject>> {
-        let mut values = Vec::new();
-        for key in keys.try_iter()? {
-            let key = key?.extract::<u64>().ok();
+        let keys = Keys::of(py, keys)?;
+        let count = keys.len()?;
+        let mut values = Vec::with_capacity(count);
+        for index in 0..count {
+            let key = keys.at(index)?;
             let value = key.and_then(|key| self.map.get(&key)).unwrap_or(&default);
             values.push(value.clone_ref(py));
         }
@@ -127,11 +167,12 @@ impl BlockTable {
             return Err(PyValueError::new_err("step must be positive, got 0"));
         }
         let zero = 0u8.into_pyobject(py)?.into_any().unbind();
+        let keys = Keys::of(py, keys)?;
         let available = keys.len()?;
         let (mut edges, mut held) = (Vec::new(), Vec::<PyObject>::new());
         let mut read = 0;
         while read < count && read * step + step - 1 < available {
-            let key = keys.get_item(read * step + step - 1)?.extract::<u64>().ok();
+            let key = keys.at(read * step + step - 1)?;
             let value = key.and_then(|key| self.map.get(&key)).unwrap_or(&zero);
             let same = match held.last() {
                 Some(last) => last.as_ptr() == value.as_ptr() || last.bind(py).eq(value)?,

@@ -6,7 +6,8 @@ one thing scripts/setup may leave out (a machine without cargo); CI builds it.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import pytest
@@ -38,6 +39,11 @@ def derive_with(bit: int, stamp: int):  # type: ignore[no-untyped-def]
 
 def classify_with(bit: int, keep: int):  # type: ignore[no-untyped-def]
     return lambda held: (bool(held & bit), bool(held & keep), held & ~bit)
+
+
+def packed(keys: Sequence[object]) -> array[int]:
+    """The u64 keys as the hasher packs a prompt's hashes (``ExternalHashes``)."""
+    return array("Q", [key for key in keys if type(key) is int and 0 <= key < 2**64])
 
 
 def native(items: list[tuple[int, int]] | None = None) -> Table:
@@ -86,11 +92,15 @@ def test_both_tables_agree_on_every_operation(operations: list[tuple]) -> None: 
         elif op == "map":
             spec.map_values(args[0].__xor__)
             fast.map_values(args[0].__xor__)
-        elif op == "runs":
+        elif op == "runs":  # a list, any other sequence, and packed keys read in place
+            keys, step, count = args
             assert spec.runs(*args) == fast.runs(*args)
+            assert spec.runs(tuple(keys), step, count) == fast.runs(tuple(keys), step, count)
+            assert spec.runs(packed(keys), step, count) == fast.runs(packed(keys), step, count)
         assert sorted(spec.items()) == sorted(fast.items())
         probe = [0, 3, 2**64 - 1, -1, 2**64]
         assert spec.get_many(probe, 0) == fast.get_many(probe, 0)
+        assert spec.get_many(packed(probe), 0) == fast.get_many(packed(probe), 0)
         assert [spec.get(h, 7) for h in probe] == [fast.get(h, 7) for h in probe]
         assert len(spec) == len(fast) and sorted(spec) == sorted(fast)
 

@@ -53,9 +53,16 @@ def test_matches_vllm_vectors(case: dict[str, Any], path: str) -> None:
             extra_keys=_extra_keys(case),
             lookahead=case.get("lookahead", 0),
         )
+        externals = hasher.external_hashes(
+            case["token_ids"],
+            case["block_size"],
+            extra_keys=_extra_keys(case),
+            lookahead=case.get("lookahead", 0),
+        )
     assert hasher.none_hash.hex() == case["none_hash_hex"]
     assert [h.hex() for h in hashes] == case["block_hashes_hex"]
     assert [external(h) for h in hashes] == case["external_ints"]
+    assert externals.tolist() == case["external_ints"]  # packed uint64s, in their order
 
 
 LOOKAHEAD_CASES = [c for c in VECTOR_CASES if c.get("lookahead")]

@@ -5,6 +5,7 @@ wherever the native one cannot encode a prompt as cbor2 does."""
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Iterator
 from unittest import mock
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from hmakv.producer import hashing
 from hmakv.producer.hashing import (
+    EXTERNAL_HASHES_TYPECODE,
     HASH_FUNCTIONS,
     NATIVE_HASHING,
     BlockHasher,
@@ -31,6 +33,11 @@ def python_hashes(
 ) -> list[bytes]:
     with mock.patch.object(hashing, "_NATIVE", None):
         return hasher.block_hashes(tokens, block_size, **options)  # type: ignore[arg-type]
+
+
+def packed_externals(digests: list[bytes]) -> array[int]:
+    """The external hashes of ``digests`` as both paths give them: uint64s in one buffer."""
+    return array(EXTERNAL_HASHES_TYPECODE, map(external, digests))
 
 
 @pytest.fixture
@@ -71,7 +78,7 @@ def test_native_digests_are_the_specifications(
     assert native.external_hashes.call_count == 1
     assert got == expected
     if parent is None:
-        assert externals == [external(digest) for digest in expected]
+        assert externals == packed_externals(expected)
 
 
 @pytest.mark.parametrize("odd", [2**64, -1, True], ids=["over-uint64", "negative", "bool"])
@@ -83,7 +90,7 @@ def test_tokens_cbor_encodes_otherwise_are_hashed_in_python(
     tokens = [1, 2, odd, 4]
     expected = python_hashes(hasher, tokens, 2)
     assert hasher.block_hashes(tokens, 2) == expected
-    assert hasher.external_hashes(tokens, 2) == [external(digest) for digest in expected]
+    assert hasher.external_hashes(tokens, 2) == packed_externals(expected)
     assert native_calls.block_hashes.call_count == 2  # tried, then Python's path answered
 
 
@@ -124,9 +131,10 @@ def test_packed_tokens_hash_as_their_ints_on_both_paths(
     assert native.block_hashes.call_args.args[2] is packed.data  # the buffer, read natively
     assert native.external_hashes.call_args.args[2] is packed.data
     assert got == expected
-    assert externals == [external(digest) for digest in expected]
+    assert externals == packed_externals(expected)
     with mock.patch.object(hashing, "_NATIVE", None):
         assert hasher.block_hashes(packed, block_size, lookahead=lookahead) == expected
+        assert hasher.external_hashes(packed, block_size, lookahead=lookahead) == externals
 
 
 def test_packed_tokens_with_extra_keys_are_unpacked_for_python() -> None:
