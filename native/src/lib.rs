@@ -129,7 +129,7 @@ fn tokens(token_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
 }
 
 fn unpack(packed: &[u8]) -> PyResult<Vec<u64>> {
-    if packed.len() % PACKED_TOKEN_BYTES != 0 {
+    if !packed.len().is_multiple_of(PACKED_TOKEN_BYTES) {
         return Err(PyValueError::new_err(format!(
             "packed token ids are {PACKED_TOKEN_BYTES} bytes each: {} bytes is not a whole number",
             packed.len()

@@ -8,7 +8,15 @@
 //! a run of blocks is one call: the per-block work (lookup, the run's memo, insert or delete) is
 //! native, and Python decides only once per distinct holder value (`derive`, `classify`). A
 //! hash that is no u64 is never held: a store refuses it, a removal finds it missing.
+//!
+//! A wide fleet's table is far larger than the CPU's caches (1,000 workers x 100k blocks is
+//! ~2 GiB), so its lookups are mostly cache and TLB misses, and misses overlap only while the
+//! lookups run back to back: between Python calls (a list's next int, a `derive`) they come one
+//! at a time. So every loop reads its keys out of Python first, and a store or removal then
+//! looks them all up in one tight pass that brings their slots into the caches before the loop
+//! that changes them (BENCHMARKS.md, Fleet, "Lookups back to back").
 
+use hashbrown::hash_map::Entry;
 use hashbrown::HashMap;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyKeyError, PyValueError};
@@ -77,11 +85,33 @@ impl<'py> Keys<'py> {
             Self::Any(keys) => keys.get_item(index)?.extract().ok(),
         })
     }
+
+    /// Every `step`-th key from the `step`-th on, up to `count` (as many as there are), read out
+    /// of Python before the table is (see the module's docs).
+    fn read(&self, step: usize, count: usize) -> PyResult<Vec<Option<u64>>> {
+        let count = count.min(self.len()? / step);
+        (0..count)
+            .map(|read| self.at(read * step + step - 1))
+            .collect()
+    }
 }
 
 impl BlockTable {
-    fn held(&self, py: Python<'_>, key: u64, zero: &PyObject) -> PyObject {
-        self.map.get(&key).unwrap_or(zero).clone_ref(py)
+    fn value<'a>(&'a self, key: Option<u64>, default: &'a PyObject) -> &'a PyObject {
+        key.and_then(|key| self.map.get(&key)).unwrap_or(default)
+    }
+
+    /// A store's or a removal's keys (None: no u64), read out of Python and then looked up in
+    /// one pass, whose answers are dropped: the loop after it finds their slots in the caches.
+    fn block_keys(&self, hashes: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u64>>> {
+        let keys = hashes
+            .try_iter()?
+            .map(|item| Ok(block_key(&item?)))
+            .collect::<PyResult<Vec<_>>>()?;
+        for key in keys.iter().flatten() {
+            std::hint::black_box(self.map.get(key));
+        }
+        Ok(keys)
     }
 }
 
@@ -143,15 +173,11 @@ impl BlockTable {
         keys: &Bound<'_, PyAny>,
         default: PyObject,
     ) -> PyResult<Vec<PyObject>> {
-        let keys = Keys::of(py, keys)?;
-        let count = keys.len()?;
-        let mut values = Vec::with_capacity(count);
-        for index in 0..count {
-            let key = keys.at(index)?;
-            let value = key.and_then(|key| self.map.get(&key)).unwrap_or(&default);
-            values.push(value.clone_ref(py));
-        }
-        Ok(values)
+        let keys = Keys::of(py, keys)?.read(1, usize::MAX)?;
+        Ok(keys
+            .iter()
+            .map(|key| self.value(*key, &default).clone_ref(py))
+            .collect())
     }
 
     /// `PyBlockTable.runs`: the holders of every `step`-th key as runs, found while looked up
@@ -167,13 +193,10 @@ impl BlockTable {
             return Err(PyValueError::new_err("step must be positive, got 0"));
         }
         let zero = 0u8.into_pyobject(py)?.into_any().unbind();
-        let keys = Keys::of(py, keys)?;
-        let available = keys.len()?;
+        let keys = Keys::of(py, keys)?.read(step, count)?;
         let (mut edges, mut held) = (Vec::new(), Vec::<PyObject>::new());
-        let mut read = 0;
-        while read < count && read * step + step - 1 < available {
-            let key = keys.at(read * step + step - 1)?;
-            let value = key.and_then(|key| self.map.get(&key)).unwrap_or(&zero);
+        for (read, key) in keys.iter().enumerate() {
+            let value = self.value(*key, &zero);
             let same = match held.last() {
                 Some(last) => last.as_ptr() == value.as_ptr() || last.bind(py).eq(value)?,
                 None => false,
@@ -182,9 +205,8 @@ impl BlockTable {
                 edges.push(read);
                 held.push(value.clone_ref(py));
             }
-            read += 1;
         }
-        edges.push(read);
+        edges.push(keys.len());
         Ok((edges, held))
     }
 
@@ -229,6 +251,7 @@ impl BlockTable {
     }
 
     /// Store each hash, as `PyBlockTable.store` says: (added, refused, the hashes held already).
+    /// Each key is hashed once (the map's entry answers both the lookup and the write).
     fn store(
         &mut self,
         py: Python<'_>,
@@ -239,23 +262,29 @@ impl BlockTable {
         let zero = 0u8.into_pyobject(py)?.into_any().unbind();
         let (mut added, mut refused, mut copies) = (0, 0, Vec::new());
         let mut memo: Option<Memo<Option<PyObject>>> = None;
-        for item in hashes.try_iter()? {
-            let Some(key) = block_key(&item?) else {
+        for key in self.block_keys(hashes)? {
+            let Some(key) = key else {
                 refused += 1;
                 continue;
             };
-            let held = self.held(py, key, &zero);
-            if !Memo::hit(&memo, &held) {
+            let entry = self.map.entry(key);
+            let held = match &entry {
+                Entry::Occupied(occupied) => occupied.get(),
+                Entry::Vacant(_) => &zero,
+            };
+            if !Memo::hit(&memo, held) {
                 let answer = derive.call1((held.clone_ref(py),))?;
                 let answer = (!answer.is_none()).then(|| answer.unbind());
-                memo = Some(Memo { held, answer });
+                memo = Some(Memo {
+                    held: held.clone_ref(py),
+                    answer,
+                });
             }
-            let stored = memo.as_ref().and_then(|m| m.answer.as_ref());
-            match stored {
+            match memo.as_ref().and_then(|m| m.answer.as_ref()) {
                 None => copies.push(key),
                 Some(_) if added >= room => refused += 1,
                 Some(value) => {
-                    self.map.insert(key, value.clone_ref(py));
+                    entry.insert(value.clone_ref(py));
                     added += 1;
                 }
             }
@@ -264,6 +293,7 @@ impl BlockTable {
     }
 
     /// Remove one copy of each hash, as `PyBlockTable.remove` says: (dropped, missing, partial).
+    /// Each key is hashed once, as in `store`.
     #[pyo3(signature = (hashes, classify, extra))]
     fn remove(
         &mut self,
@@ -275,18 +305,22 @@ impl BlockTable {
         let zero = 0u8.into_pyobject(py)?.into_any().unbind();
         let (mut dropped, mut missing, mut partial) = (0, 0, 0);
         let mut memo: Option<Memo<(bool, bool, Option<PyObject>)>> = None;
-        for item in hashes.try_iter()? {
-            let Some(key) = block_key(&item?) else {
+        for key in self.block_keys(hashes)? {
+            let Some(key) = key else {
                 missing += 1;
                 continue;
             };
-            let held = self.held(py, key, &zero);
-            if !Memo::hit(&memo, &held) {
+            let entry = self.map.entry(key);
+            let held = match &entry {
+                Entry::Occupied(occupied) => occupied.get(),
+                Entry::Vacant(_) => &zero,
+            };
+            if !Memo::hit(&memo, held) {
                 let (has, full_copy, rest): (bool, bool, Bound<'_, PyAny>) =
                     classify.call1((held.clone_ref(py),))?.extract()?;
                 let rest = rest.is_truthy()?.then(|| rest.unbind());
                 memo = Some(Memo {
-                    held,
+                    held: held.clone_ref(py),
                     answer: (has, full_copy, rest),
                 });
             }
@@ -296,6 +330,10 @@ impl BlockTable {
             }) = memo.as_ref()
             else {
                 unreachable!("the memo was just set");
+            };
+            let Entry::Occupied(mut occupied) = entry else {
+                missing += 1; // held by nobody: classify(0) cannot say the worker holds it
+                continue;
             };
             if !has {
                 missing += 1;
@@ -315,10 +353,10 @@ impl BlockTable {
             }
             match rest {
                 Some(rest) => {
-                    self.map.insert(key, rest.clone_ref(py));
+                    occupied.insert(rest.clone_ref(py));
                 }
                 None => {
-                    self.map.remove(&key);
+                    occupied.remove();
                 }
             }
             dropped += 1;
