@@ -159,6 +159,15 @@ class ScoreRequest(Prompt, forbid_unknown_fields=True, kw_only=True):
             "what a router needs, 2-3x sooner on a large fleet"
         ),
     ] = True
+    top: Annotated[
+        Annotated[int, Doc(ge=1)] | None,
+        Doc(
+            description="answer only the best `top` live and current workers (degraded and "
+            "stale workers, and those with stale groups, are left out), best first, for a "
+            "router choosing among the best: on a wide fleet the answer, and its cost, are "
+            "then top's size, not the fleet's. best and group_blind are chosen among them"
+        ),
+    ] = None
 
 
 class RoutedRequest(Prompt, forbid_unknown_fields=True, kw_only=True):
@@ -429,22 +438,26 @@ class ScoreApi:
             rehash = functools.partial(
                 self._lookahead_hashes, request, token_ids, index.hash_block_size
             )
+        stale_groups, stale = self.follower.stale_groups_by_worker(), self.follower.stale_workers()
         scores = index.score(
             hashes,
             num_tokens,
             workers=self._worker_filter(request.workers),
             details=request.details,
             lookahead_hashes=rehash,
+            top=request.top,
+            passed_over=stale | stale_groups.keys() if request.top is not None else (),
         )
-        hits = _with_follower_view(
-            scores, self.follower.stale_groups_by_worker(), self.follower.stale_workers()
-        )
+        hits = _with_follower_view(scores, stale_groups, stale)
         best = hma_best(hits, ranked=True)  # the follower's view keeps the index's order
         best_worker = best.worker if best is not None else None
         blind = None
         if request.details:  # the HMA and group-blind answers are compared where both exist
             blind = group_blind_answer(hits)
-            self.stats.record_answer(best.hit_tokens if best is not None else 0, blind, best_worker)
+            if request.top is None:  # among the top alone, the comparison would be HMA's pick
+                self.stats.record_answer(
+                    best.hit_tokens if best is not None else 0, blind, best_worker
+                )
         return ScoreResponse(
             best=best_worker,
             hash_block_size=index.hash_block_size,

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from functools import cache, partial, reduce
 from operator import or_
 
@@ -50,7 +50,14 @@ import msgspec
 from hmakv.consumers import index_snapshot
 from hmakv.consumers.block_table import Table, new_table
 from hmakv.consumers.hit_rule import GroupRule, alignment, rule_for
-from hmakv.consumers.scoring import SPECULATIVE_MEDIUM, CatalogClass, Fleet, Roster, Scorer
+from hmakv.consumers.scoring import (
+    SPECULATIVE_MEDIUM,
+    CatalogClass,
+    Fleet,
+    Roster,
+    Scorer,
+    Top,
+)
 from hmakv.kvlog.answers import WorkerHit, speculative_hit
 from hmakv.kvlog.records import HEALTH_STATES, EventRecord, Health
 from hmakv.producer.events import (
@@ -833,6 +840,8 @@ class KVIndex:
         workers: Iterable[str] | None = None,
         details: bool = True,
         lookahead_hashes: Callable[[int], Sequence[ExternalBlockHash]] | None = None,
+        top: int | None = None,
+        passed_over: Collection[str] = (),
     ) -> list[WorkerHit]:
         """Every worker's prefix hit for one prompt, best first (weighted tokens, then hit).
 
@@ -848,10 +857,16 @@ class KVIndex:
         exist), asked once per ``k`` in the scored fleet; without it, with ``block_hashes`` as
         they are. Each score names the worker's ``hash_lookahead`` either way.
 
+        ``top``: only the first ``top`` of the answer's live workers not named in
+        ``passed_over`` (the follower's stale ones), for a router choosing among the best: on a
+        wide fleet the rest are never built.
+
         The answers are the API's own structs, built once (``scoring`` assembles them);
         ``stale_groups`` is left empty and ``stale`` false, since only the follower knows which
         partitions it reads and how far behind the bridge and Kafka it is.
         """
+        if top is not None and top < 1:
+            raise ValueError(f"top must be positive, got {top}")
         scored = self._everyone if workers is None else self._bits_of(workers)
         fleet = Fleet(
             self._media,
@@ -867,6 +882,7 @@ class KVIndex:
             scored,
             details=details,
             lookahead_hashes=None if lookahead_hashes is None else _keyed(lookahead_hashes),
+            top=None if top is None else Top(top, passed_over),
         )
 
     def _bits_of(self, names: Iterable[str]) -> int:

@@ -19,9 +19,9 @@ Why it is shaped this way:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from functools import reduce
-from itertools import repeat
+from itertools import islice, repeat
 from operator import attrgetter, itemgetter, or_
 from typing import NamedTuple, Protocol
 
@@ -133,6 +133,28 @@ class Fleet(NamedTuple):
     speculating: int = 0  # the bits of workers holding speculative blocks
 
 
+class Top(NamedTuple):
+    """A score answering only its best ``limit`` live workers, leaving out ``passed_over``."""
+
+    limit: int
+    passed_over: Collection[str] = ()
+
+    def eligible(
+        self, names: list[str], health: list[Health], degraded: list[bool], *, room: int
+    ) -> tuple[list[str], list[Health], list[bool]]:
+        """A part's first ``room`` live workers not passed over, in name order."""
+        passed_over = self.passed_over
+        wanted = (
+            at for at, name in enumerate(names) if not degraded[at] and name not in passed_over
+        )
+        chosen = list(islice(wanted, min(room, len(names))))  # ``room`` may pass islice's bound
+        return (
+            [names[at] for at in chosen],
+            [health[at] for at in chosen],
+            [degraded[at] for at in chosen],
+        )
+
+
 class Scorer:
     """Scores prompts at ``hash_block_size`` with a tier ladder, fastest medium first."""
 
@@ -152,6 +174,7 @@ class Scorer:
         *,
         details: bool,
         lookahead_hashes: Callable[[int], Sequence[ExternalBlockHash]] | None,
+        top: Top | None = None,
     ) -> list[WorkerHit]:
         """The ``scored`` workers' answers, best first (see ``KVIndex.score``); hashes in the
         index's key form."""
@@ -167,7 +190,7 @@ class Scorer:
                     self._score_class(catalog_class, class_members, call)
             if details:
                 answers.record(_BLIND, self._group_blind_hits(residency, members, max_tokens))
-        return self._hits(answers, fleet.roster, details)
+        return self._hits(answers, fleet.roster, details, top)
 
     def _score_class(self, catalog_class: CatalogClass, members: int, call: _Call) -> None:
         align = catalog_class.align
@@ -223,12 +246,16 @@ class Scorer:
         )
         return longest_hits([anywhere], everyone, size, max_tokens)
 
-    def _hits(self, answers: _Answers, roster: Roster, details: bool) -> list[WorkerHit]:
+    def _hits(
+        self, answers: _Answers, roster: Roster, details: bool, top: Top | None
+    ) -> list[WorkerHit]:
         """Best first (speculative weighted tokens, weighted tokens, hit), by name among equal
-        answers.
+        answers; with ``top``, its first ``top.limit`` live workers not passed over.
 
         The parts are sorted, not the workers (whose names ``Roster`` lists once per worker set,
-        in name order), so only parts that tie are merged by name.
+        in name order), so only parts that tie are merged by name. With ``top``, parts past it
+        are never built, and each part of a tie gives at most what the tie may still take: its
+        first names are the only ones that can come first once the tie is merged.
         """
         parts = [
             (_rank(payload), payload, workers)
@@ -244,11 +271,17 @@ class Scorer:
             else:
                 if tied:
                     hits[tie_start:] = sorted(hits[tie_start:], key=attrgetter("worker"))
+                if top is not None and len(hits) >= top.limit:
+                    break
                 tie_start, tied, rank_before = len(hits), False, rank
-            _add_hits(hits, payload, *roster.named(workers))
+            named = roster.named(workers)
+            if top is not None:
+                named = top.eligible(*named, room=top.limit - tie_start)
+            if named[0]:
+                _add_hits(hits, payload, *named)
         if tied:
             hits[tie_start:] = sorted(hits[tie_start:], key=attrgetter("worker"))
-        return hits
+        return hits if top is None else hits[: top.limit]
 
     def _payload(self, answers: dict[AnswerKey, int], details: bool) -> WorkerHit:
         """What every worker of one part is told (its own fields left blank)."""

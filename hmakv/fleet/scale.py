@@ -29,11 +29,18 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import msgspec
+
 from hmakv.bridge.fanout import fan_out
+from hmakv.consumers.api import HashingDefaults, ScoreApi
+from hmakv.consumers.follower import Follower, FollowerConfig
 from hmakv.consumers.index import KVIndex
+from hmakv.consumers.metrics import index_registry
+from hmakv.consumers.stats import ScoreStats
 from hmakv.fleet.engines import BLOCK_TOKENS, GROUP_IDS, GROUPS, group_store, mixed, status_mib
-from hmakv.kvlog.answers import WorkerHit
+from hmakv.kvlog.answers import ScoreResponse, WorkerHit
 from hmakv.kvlog.heap import tune_garbage_collector
+from hmakv.kvlog.records import Topics
 from hmakv.producer.events import ExternalBlockHash, KVEventBatch
 
 TARGET_WORKERS = 1000
@@ -44,6 +51,7 @@ SHARED_BLOCKS = 64  # 1,024 tokens
 STORE_BLOCKS = 1024  # blocks per stored event (a long prefill's)
 WARM_UP_PROMPTS = 20
 LADDER_SCORES = 50  # times the ladder prompt is scored, each way
+ROUTER_TOP = 4  # the best workers a router's request asks for
 _SHARED_BASE = 1 << 62  # shared blocks' numbers sit above every worker's
 _LADDER_BASE = 1 << 61
 
@@ -70,6 +78,21 @@ class LadderReport:
 
 
 @dataclass(frozen=True)
+class RouterAnswerReport:
+    """The router's request served in-process (``ScoreApi.score_reply``: decode, score, the
+    follower's view, best, encode), block hashes in msgpack, lean: every worker, then the best
+    ``ROUTER_TOP`` only."""
+
+    p50_us: float
+    p99_us: float
+    bytes: int  # the answer's, the last prompt's
+    top_p50_us: float
+    top_p99_us: float
+    top_bytes: int
+    top_right: bool  # every top answer was the whole answer's first workers
+
+
+@dataclass(frozen=True)
 class ScaleReport:
     workers: int
     blocks_per_worker: int
@@ -90,6 +113,7 @@ class ScaleReport:
     prompts: int
     ladder: LadderReport  # the heap frozen, as the index runs once caught up
     ladder_default_gc: LadderReport  # before: CPython's default collector
+    router_answer: RouterAnswerReport
 
 
 def shared_block(prompt: int, block: int) -> ExternalBlockHash:
@@ -211,7 +235,35 @@ def measure(plan: ScalePlan) -> ScaleReport:
         prompts=plan.prompts,
         ladder=_score_ladder(index, plan),
         ladder_default_gc=ladder_default_gc,
+        router_answer=_served(index, [prompt(*case, plan) for case in cases], num_tokens),
     )
+
+
+def _served(
+    index: KVIndex, prompts: list[list[ExternalBlockHash]], num_tokens: int
+) -> RouterAnswerReport:
+    """Each prompt asked of the score API as a router asks: every worker, then the top ones."""
+    follower = Follower(FollowerConfig("127.0.0.1:1", Topics("unused")), clock=lambda: 0.0)
+    follower.index = index  # never started: no broker, only the API's answers
+    stats = ScoreStats()
+    api = ScoreApi(follower, index_registry(follower, stats), stats, hashing=HashingDefaults())
+    timed: dict[bool, list[float]] = {False: [], True: []}
+    sizes = {False: 0, True: 0}
+    right = True
+    for hashes in prompts:
+        answers = {}
+        for top in (False, True):
+            request = {"block_hashes": hashes, "num_tokens": num_tokens, "details": False}
+            body = msgspec.msgpack.encode(request | ({"top": ROUTER_TOP} if top else {}))
+            began = time.perf_counter()
+            reply = api.score_reply(body, True, began)
+            timed[top].append(time.perf_counter() - began)
+            sizes[top] = len(reply.body)
+            answers[top] = msgspec.msgpack.decode(reply.body, type=ScoreResponse)
+        right = right and answers[True].workers == answers[False].workers[:ROUTER_TOP]
+    p50, p99 = _quantiles_us(timed[False])
+    top_p50, top_p99 = _quantiles_us(timed[True])
+    return RouterAnswerReport(p50, p99, sizes[False], top_p50, top_p99, sizes[True], right)
 
 
 def _score_ladder(index: KVIndex, plan: ScalePlan) -> LadderReport:
@@ -267,6 +319,9 @@ def scale_targets(reports: list[ScaleReport]) -> dict[str, bool]:
             report.best_hits_right == report.prompts
         )
         met[f"{report.workers} workers: every worker's ladder hit right"] = report.ladder.right
+        met[f"{report.workers} workers: every top answer the whole answer's first"] = (
+            report.router_answer.top_right
+        )
     return met
 
 
@@ -287,6 +342,18 @@ def scale_table(reports: list[ScaleReport]) -> str:
             f"{f'{r.best_hits_right}/{r.prompts}':>9}{r.ladder.hits:>12,}{r.ladder.p50_us:>8,.0f}"
             f"{r.ladder.p99_us:>8,.0f}{r.ladder.hit_only_p50_us:>9,.0f}"
             f"{r.ladder.hit_only_p99_us:>8,.0f}{r.ladder_default_gc.hit_only_p99_us:>15,.0f}"
+        )
+    lines.append(
+        f"the router's answer served in-process (lean, block hashes in msgpack): every worker, "
+        f"then the best {ROUTER_TOP}"
+    )
+    for r in reports:
+        a = r.router_answer
+        lines.append(
+            f"{r.workers:>8,} workers: every worker p50 {a.p50_us:,.0f} / p99 {a.p99_us:,.0f} "
+            f"us, {a.bytes:,} bytes; best {ROUTER_TOP} p50 {a.top_p50_us:,.0f} / p99 "
+            f"{a.top_p99_us:,.0f} us, {a.top_bytes:,} bytes ({a.p99_us / a.top_p99_us:.1f}x "
+            f"sooner at p99); {'right' if a.top_right else 'WRONG'}"
         )
     if len(reports) > 1:
         small, large = reports[0], reports[-1]

@@ -32,6 +32,7 @@ def test_every_prompt_size_native_path_and_form_is_measured_beside_its_floor_and
     rows = {(row["tokens"], row["native"], row["form"]): row for row in report["rows"]}
     paths = [("none", "json"), ("all", "json"), ("all", "json-packed"), ("all", "msgpack-packed")]
     paths += [("hashing", "msgpack-packed-lean"), ("all", "msgpack-packed-lean")]
+    paths += [("all", "msgpack-packed-lean-top4")]  # the router port only
     assert sorted(rows) == sorted((tokens, *path) for tokens in (1024, 8192) for path in paths)
     for (tokens, _, _), row in rows.items():
         assert row["blocks"] == tokens // 16
@@ -40,3 +41,4 @@ def test_every_prompt_size_native_path_and_form_is_measured_beside_its_floor_and
             assert 0 < row[measured]["p50_us"] <= row[measured]["p99_us"]
         assert all(value > 0 for value in row["steps"].values()), row["steps"]
     assert "8k tokens, fastest path (native: " in run.stdout
+    assert "8k tokens, the best 4 workers over every worker (router port" in run.stdout

@@ -204,6 +204,28 @@ async def test_without_details_each_worker_gets_its_gpu_hit_and_nothing_else(
     assert await routing_counters(client) == (8 * BLOCK, 8 * BLOCK, 1)
 
 
+async def test_top_answers_the_best_workers_a_router_may_be_sent_to(
+    client: TestClient[Any, Any],
+) -> None:
+    _, full = await post_score(client, {"token_ids": PROMPT})
+    assert [w["worker"] for w in full["workers"]] == ["full", "evicted", "lora"]
+    for details in (True, False):
+        cases = ((1, ["full"]), (2, ["full", "evicted"]), (3, ["full", "evicted"]))
+        for top, workers in (*cases, (2**63, ["full", "evicted"])):
+            status, answer = await post_score(
+                client, {"token_ids": PROMPT, "top": top, "details": details}
+            )
+            assert status == 200
+            # "lora" is degraded: a router may not be sent there, so top leaves it out.
+            assert [w["worker"] for w in answer["workers"]] == workers
+            assert answer["workers"] == full["workers"][: len(workers)] or not details
+            assert answer["best"] == "full"
+    # Only answers over the whole fleet are compared in /metrics: top's is HMA's own pick.
+    assert await routing_counters(client) == (8 * BLOCK, 8 * BLOCK, 1)
+    status, refused = await post_score(client, {"token_ids": PROMPT, "top": 0})
+    assert status == 400 and "top" in refused["error"]
+
+
 async def routing_counters(client: TestClient[Any, Any]) -> tuple[float, float, float]:
     """(HMA-aware hit tokens, group-blind hit tokens, best differs) from /metrics."""
     response = await client.get("/metrics")

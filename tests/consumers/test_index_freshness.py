@@ -62,8 +62,8 @@ class IndexClient:
             assert response.status == 200
             return {view["worker"]: view for view in (await response.json())["workers"]}
 
-    async def score(self) -> Any:
-        async with self.http.post(f"{self.url}/v1/score", json=SCORE) as response:
+    async def score(self, **asked: Any) -> Any:
+        async with self.http.post(f"{self.url}/v1/score", json=SCORE | asked) as response:
             assert response.status == 200
             return await response.json()
 
@@ -217,6 +217,9 @@ async def test_a_worker_further_behind_the_bridge_than_the_limit_is_stale_and_ne
         answer = await index.score()
         assert stale_flags(answer) == {"a": True, "b": False}
         assert answer["best"] == "b", "a has the same hit and the first name, but is stale"
+        for top in (1, 2):  # a router asking for the best few is never offered a stale worker
+            topped = await index.score(top=top, details=False)
+            assert ([hit["worker"] for hit in topped["workers"]], topped["best"]) == (["b"], "b")
         page = await index.metrics()
         assert page[("hmakv_index_worker_stale", frozenset({("worker", "a")}))] == 1
         assert page[("hmakv_index_worker_lag_seqs", frozenset({("worker", "a")}))] == 10

@@ -216,6 +216,20 @@ def assert_best_first(hits: list[WorkerHit]) -> None:
         assert hma_best(viewed[::-1]) == hma_best(viewed)
 
 
+def assert_top(index: KVIndex, prompt: list[int], num_tokens: int, hits: list[WorkerHit]) -> None:
+    """``top`` answers the answer's first live workers not passed over, with and without
+    details, for every size up to one past the fleet and with the best worker passed over."""
+    lean = index.score(prompt, num_tokens, details=False)
+    for passed_over in (set(), {hits[0].worker} if hits else set()):
+        for answer, details in ((hits, True), (lean, False)):
+            routable = [h for h in answer if h.health == "live" and h.worker not in passed_over]
+            for top in range(1, len(answer) + 2):
+                got = index.score(
+                    prompt, num_tokens, details=details, top=top, passed_over=passed_over
+                )
+                assert got == routable[:top], (top, passed_over, details)
+
+
 def assert_same(
     index: KVIndex, model: ReferenceIndex, fleet: Fleet, token_counts: list[int]
 ) -> None:
@@ -238,6 +252,7 @@ def assert_same(
     for prompt, num_tokens in probes:
         hits = index.score(prompt, num_tokens)
         assert_best_first(hits)
+        assert_top(index, prompt, num_tokens, hits)
         scores = {s.worker: s for s in hits}
         assert set(scores) == set(model.workers)
         for name, got in scores.items():

@@ -74,6 +74,9 @@ def test_the_smoke_run_reports_every_size_with_every_best_worker_right(tmp_path:
             assert 0 < ladder["hit_only_p50_us"] <= ladder["hit_only_p99_us"]
         assert r["rss_mib"] > r["rss_before_mib"] > 0 and r["bytes_per_entry"] > 0
         assert 0 < r["score_p50_us"] <= r["score_p99_us"]
+        answer = r["router_answer"]
+        assert answer["top_right"] and 0 < answer["top_bytes"] < answer["bytes"]
+        assert 0 < answer["top_p50_us"] <= answer["top_p99_us"]
     assert "64 workers / 16" in out.getvalue()
 
 
