@@ -99,9 +99,11 @@ prompts (a system prompt and one worker's conversation) scored as /v1/score scor
 and without details; then the score's worst case, a ladder prompt of which worker i of W holds
 the first (i+1)/W, so that nearly every worker's hit differs, scored with CPython's default
 garbage collector and then, as everything else, with the heap frozen as `hmakv index` freezes
-it once caught up. Prints the build's block updates
-per second, RSS and bytes per resident entry, score p50/p99, and whether each prompt's best
-worker was the one holding it and each worker's ladder hit its share.
+it once caught up; then each prompt asked of the score API in-process as a router asks (lean,
+block hashes in msgpack), for every worker and for the best four ("top": 4). Prints the build's
+block updates per second, RSS and bytes per resident entry, score p50/p99, the router's answer
+p50/p99 and size both ways, and whether each prompt's best worker was the one holding it, each
+worker's ladder hit its share and each top answer the whole answer's first.
 """
 
 
