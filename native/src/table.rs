@@ -50,50 +50,31 @@ fn block_key(item: &Bound<'_, PyAny>) -> Option<u64> {
     item.extract().ok()
 }
 
-/// A prompt's keys as a lookup reads them: packed u64s (the hasher's `array('Q')`, copied once),
-/// a list's items without a Python index each, or any other sequence's.
-enum Keys<'py> {
-    Packed(Vec<u64>),
-    List(Bound<'py, PyList>),
-    Any(Bound<'py, PyAny>),
-}
-
-impl<'py> Keys<'py> {
-    fn of(py: Python<'_>, keys: &Bound<'py, PyAny>) -> PyResult<Self> {
-        if let Ok(list) = keys.downcast::<PyList>() {
-            return Ok(Self::List(list.clone()));
-        }
-        match PyBuffer::<u64>::get(keys) {
-            Ok(packed) if packed.dimensions() == 1 => Ok(Self::Packed(packed.to_vec(py)?)),
-            _ => Ok(Self::Any(keys.clone())),
-        }
+/// Every `step`-th of a prompt's keys from the `step`-th on, up to `count` (as many as there
+/// are), read out of Python before the table is (see the module's docs): an `array('Q')` (the
+/// hasher's) in place, a list's items directly, any other sequence's item by item. None: a key
+/// no table can hold.
+fn prompt_keys(
+    py: Python<'_>,
+    keys: &Bound<'_, PyAny>,
+    step: usize,
+    count: usize,
+) -> PyResult<Vec<Option<u64>>> {
+    let picked = |len: usize| (0..count.min(len / step)).map(move |read| read * step + step - 1);
+    if let Ok(list) = keys.downcast::<PyList>() {
+        return picked(list.len())
+            .map(|at| Ok(list.get_item(at)?.extract().ok()))
+            .collect();
     }
-
-    fn len(&self) -> PyResult<usize> {
-        match self {
-            Self::Packed(packed) => Ok(packed.len()),
-            Self::List(list) => Ok(list.len()),
-            Self::Any(keys) => keys.len(),
+    if let Ok(packed) = PyBuffer::<u64>::get(keys) {
+        if packed.dimensions() == 1 {
+            let packed = packed.to_vec(py)?;
+            return Ok(picked(packed.len()).map(|at| Some(packed[at])).collect());
         }
     }
-
-    /// The key at `index` (< `len`), if it is one a table can hold.
-    fn at(&self, index: usize) -> PyResult<Option<u64>> {
-        Ok(match self {
-            Self::Packed(packed) => Some(packed[index]),
-            Self::List(list) => list.get_item(index)?.extract().ok(),
-            Self::Any(keys) => keys.get_item(index)?.extract().ok(),
-        })
-    }
-
-    /// Every `step`-th key from the `step`-th on, up to `count` (as many as there are), read out
-    /// of Python before the table is (see the module's docs).
-    fn read(&self, step: usize, count: usize) -> PyResult<Vec<Option<u64>>> {
-        let count = count.min(self.len()? / step);
-        (0..count)
-            .map(|read| self.at(read * step + step - 1))
-            .collect()
-    }
+    picked(keys.len()?)
+        .map(|at| Ok(keys.get_item(at)?.extract().ok()))
+        .collect()
 }
 
 impl BlockTable {
@@ -173,7 +154,7 @@ impl BlockTable {
         keys: &Bound<'_, PyAny>,
         default: PyObject,
     ) -> PyResult<Vec<PyObject>> {
-        let keys = Keys::of(py, keys)?.read(1, usize::MAX)?;
+        let keys = prompt_keys(py, keys, 1, usize::MAX)?;
         Ok(keys
             .iter()
             .map(|key| self.value(*key, &default).clone_ref(py))
@@ -193,7 +174,7 @@ impl BlockTable {
             return Err(PyValueError::new_err("step must be positive, got 0"));
         }
         let zero = 0u8.into_pyobject(py)?.into_any().unbind();
-        let keys = Keys::of(py, keys)?.read(step, count)?;
+        let keys = prompt_keys(py, keys, step, count)?;
         let (mut edges, mut held) = (Vec::new(), Vec::<PyObject>::new());
         for (read, key) in keys.iter().enumerate() {
             let value = self.value(*key, &zero);
