@@ -10,7 +10,7 @@ import logging
 
 from aiokafka import TopicPartition
 
-from hmakv.kvlog.kafka_client import KafkaSecurity, create_consumer
+from hmakv.kvlog.kafka_client import KafkaSecurity, create_consumer, stop_consumer
 from hmakv.kvlog.records import RecordDecodeError, WorkerState, decode_worker_state
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ async def read_worker_states(
                     _take(states, record.key, record.value)
         return states
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)
 
 
 def _take(states: dict[str, WorkerState], key: bytes | None, value: bytes | None) -> None:

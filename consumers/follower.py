@@ -91,6 +91,7 @@ from hmakv.kvlog.kafka_client import (
     KafkaSecurity,
     create_consumer,
     partition_for,
+    stop_consumer,
     topic_partitions,
     wait_for_partitions,
 )
@@ -317,7 +318,7 @@ class Follower:
         finally:
             for consumer in (self._events, self._workers):
                 if consumer is not None:
-                    await consumer.stop()
+                    await stop_consumer(consumer)
             self._events = self._workers = None
             if self.store is not None:
                 await self.store.close()

@@ -40,6 +40,7 @@ from hmakv.kvlog.kafka_client import (
     ensure_topics,
     partition_for,
     start_producer,
+    stop_consumer,
     topic_partitions,
 )
 from hmakv.kvlog.records import WorkerState
@@ -244,7 +245,7 @@ class KafkaSnapshotStore:
             chunk_keys = self._chunk_keys(manifest.snapshot_id, len(manifest.chunk_offsets))
             blob = await _read_chunks(consumer, tp, manifest, chunk_keys)
         finally:
-            await consumer.stop()
+            await stop_consumer(consumer)
         self._live_chunk_keys = chunk_keys
         return blob
 

@@ -301,6 +301,34 @@ def create_consumer(
     )
 
 
+async def stop_consumer(consumer: AIOKafkaConsumer) -> None:
+    """Stop a consumer, also while its broker is away; a cancellation of the caller still
+    propagates.
+
+    aiokafka (0.14) closes its fetcher by cancelling the fetch requests in flight and awaiting
+    each: one sleeping out its retry backoff after a refused connection ends cancelled, and that
+    CancelledError escapes ``stop()`` before the other requests are awaited and the client is
+    closed. A service stopping during an outage would then raise from its shutdown and leave
+    connections and tasks behind, so the rest of the close is done here.
+    """
+    caller = asyncio.current_task()
+    cancellations = caller.cancelling() if caller is not None else 0
+    try:
+        await consumer.stop()
+    except asyncio.CancelledError:
+        if caller is None or caller.cancelling() > cancellations:
+            raise
+        await _finish_stop(consumer)
+
+
+async def _finish_stop(consumer: AIOKafkaConsumer) -> None:
+    pending = [task for task in consumer._fetcher._pending_tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    await consumer._client.close()
+
+
 @dataclass(frozen=True)
 class TopicSpec:
     """A topic to create: its partitions, replication factor and topic-level config."""
@@ -366,7 +394,7 @@ async def topic_partitions(
             await asyncio.sleep(0.02)
         partitions: set[int] | None = consumer.partitions_for_topic(topic)
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)
     return set(partitions or ())
 
 

@@ -23,7 +23,12 @@ from typing import Any
 
 from aiokafka.structs import TopicPartition
 
-from hmakv.kvlog.kafka_client import KafkaSecurity, create_consumer, wait_for_partitions
+from hmakv.kvlog.kafka_client import (
+    KafkaSecurity,
+    create_consumer,
+    stop_consumer,
+    wait_for_partitions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +79,7 @@ class RecordLog:
 
     async def stop(self) -> None:
         if self._consumer is not None:
-            await self._consumer.stop()
+            await stop_consumer(self._consumer)
             self._consumer = None
 
     async def run(self) -> None:

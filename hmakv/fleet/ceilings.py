@@ -33,6 +33,7 @@ from hmakv.kvlog.kafka_client import (
     ensure_topics,
     partition_for,
     start_producer,
+    stop_consumer,
 )
 from hmakv.producer.events import decode
 from hmakv.producer.protocol import encode_seq
@@ -177,6 +178,6 @@ async def fetch_ceiling(bootstrap: str, topic: str, record_count: int) -> Ceilin
             fetched = await consumer.getmany(timeout_ms=5000)
         seconds = max(time.monotonic() - started, 1e-9)
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)
     # A step is a record per group.
     return {"batches_per_s": read / len(GROUP_IDS) / seconds, "records_per_s": read / seconds}
