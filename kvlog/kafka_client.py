@@ -309,7 +309,8 @@ async def stop_consumer(consumer: AIOKafkaConsumer) -> None:
     each: one sleeping out its retry backoff after a refused connection ends cancelled, and that
     CancelledError escapes ``stop()`` before the other requests are awaited and the client is
     closed. A service stopping during an outage would then raise from its shutdown and leave
-    connections and tasks behind, so the rest of the close is done here.
+    connections and tasks behind, so the rest of the close is done here: the fetcher's tasks
+    cancelled and awaited, the client closed.
     """
     caller = asyncio.current_task()
     cancellations = caller.cancelling() if caller is not None else 0
@@ -322,7 +323,9 @@ async def stop_consumer(consumer: AIOKafkaConsumer) -> None:
 
 
 async def _finish_stop(consumer: AIOKafkaConsumer) -> None:
-    pending = [task for task in consumer._fetcher._pending_tasks if not task.done()]
+    fetcher = consumer._fetcher
+    tasks = [fetcher._fetch_task, *fetcher._pending_tasks] if fetcher is not None else []
+    pending = [task for task in tasks if task is not None and not task.done()]
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
