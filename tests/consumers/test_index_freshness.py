@@ -1,6 +1,7 @@
 """Freshness through a running index on real sockets and a real Apache Kafka (issue 16): Kafka
 silent makes /readyz 503 and every worker stale, and its return undoes both; a worker further
-behind the bridge than --max-worker-lag is stale in /v1/workers, /v1/score and /metrics.
+behind the bridge than --max-worker-lag is stale in /v1/workers, /v1/score and /metrics; the index
+stops cleanly while Kafka is away.
 
 The outage tests run their own broker (the session's must stay up for the other tests), with a
 fixed port and data dir so that a restarted broker is the same cluster with the same log. A
@@ -181,6 +182,36 @@ async def test_kafka_silent_makes_readyz_503_and_every_worker_stale_until_it_ans
     finally:
         thaw(broker)
         await asyncio.to_thread(broker.stop)
+
+
+@pytest.mark.kafka
+@pytest.mark.apache
+async def test_the_index_stops_cleanly_while_kafka_is_away(tmp_path: Path) -> None:
+    """An operator stopping the index during an outage: its consumers' fetches sleep out their
+    retry backoff, which aiokafka's own stop turned into a CancelledError out of the index's
+    shutdown (once in CI, at the end of the test above). It must stop, leaving no client behind."""
+    broker = ApacheKafkaBroker(port=free_port(), data_dir=tmp_path / "kafka")
+    await asyncio.to_thread(broker.start)
+    try:
+        topics = await fresh_topics(broker.bootstrap)
+        async with LogWriter(broker.bootstrap, topics) as log:
+            await fill(log, "a", "b")
+        config = follower_config(broker.bootstrap, topics, freshness=FreshnessLimits())
+        service = IndexService(ServiceConfig(follower=config, port=0, snapshot_to="none"))
+        await service.start()
+        async with aiohttp.ClientSession() as http:
+            index = IndexClient(http, service.url)
+            await wait_until(lambda: both_workers_current(index), "both workers applied")
+    finally:
+        await asyncio.to_thread(broker.stop)
+    await asyncio.sleep(1.0)  # the index's fetches have met the refused connections
+    await service.stop()
+    left = [
+        task
+        for task in asyncio.all_tasks()
+        if not task.done() and "aiokafka" in task.get_coro().cr_code.co_filename  # type: ignore[union-attr]
+    ]
+    assert left == []
 
 
 def thaw(broker: ApacheKafkaBroker) -> None:
