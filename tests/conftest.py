@@ -8,8 +8,9 @@ rest against any broker given in ``KAFKA_BOOTSTRAP``. Fresh topic names come fro
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -33,3 +34,17 @@ def tansu_bootstrap() -> Iterator[str]:
     """``host:port`` of a memory-only Tansu broker started for the session."""
     with TansuBroker() as broker:
         yield broker.bootstrap
+
+
+def _aiokafka_tasks_running() -> list[asyncio.Task[object]]:
+    return [
+        task
+        for task in asyncio.all_tasks()
+        if not task.done() and "aiokafka" in task.get_coro().cr_code.co_filename  # type: ignore[union-attr]
+    ]
+
+
+@pytest.fixture
+def aiokafka_tasks() -> Callable[[], list[asyncio.Task[object]]]:
+    """The aiokafka tasks still running on this loop: none once every client is closed."""
+    return _aiokafka_tasks_running

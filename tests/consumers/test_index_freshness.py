@@ -186,7 +186,9 @@ async def test_kafka_silent_makes_readyz_503_and_every_worker_stale_until_it_ans
 
 @pytest.mark.kafka
 @pytest.mark.apache
-async def test_the_index_stops_cleanly_while_kafka_is_away(tmp_path: Path) -> None:
+async def test_the_index_stops_cleanly_while_kafka_is_away(
+    tmp_path: Path, aiokafka_tasks: Callable[[], list[asyncio.Task[object]]]
+) -> None:
     """An operator stopping the index during an outage: its consumers' fetches sleep out their
     retry backoff, which aiokafka's own stop turned into a CancelledError out of the index's
     shutdown (once in CI, at the end of the test above). It must stop, leaving no client behind."""
@@ -206,12 +208,7 @@ async def test_the_index_stops_cleanly_while_kafka_is_away(tmp_path: Path) -> No
         await asyncio.to_thread(broker.stop)
     await asyncio.sleep(1.0)  # the index's fetches have met the refused connections
     await service.stop()
-    left = [
-        task
-        for task in asyncio.all_tasks()
-        if not task.done() and "aiokafka" in task.get_coro().cr_code.co_filename  # type: ignore[union-attr]
-    ]
-    assert left == []
+    assert aiokafka_tasks() == []
 
 
 def thaw(broker: ApacheKafkaBroker) -> None:

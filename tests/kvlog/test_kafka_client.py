@@ -6,6 +6,7 @@ import asyncio
 import logging
 import ssl
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -199,17 +200,11 @@ async def test_ensure_topics_raises_what_the_broker_rejects(kafka_bootstrap: str
         await ensure_topics(kafka_bootstrap, [too_many_replicas])
 
 
-def _aiokafka_tasks_left() -> list[asyncio.Task[object]]:
-    return [
-        task
-        for task in asyncio.all_tasks()
-        if not task.done() and "aiokafka" in task.get_coro().cr_code.co_filename  # type: ignore[union-attr]
-    ]
-
-
 @pytest.mark.kafka
 @pytest.mark.apache
-async def test_consumers_stop_cleanly_while_their_broker_is_away(tmp_path: Path) -> None:
+async def test_consumers_stop_cleanly_while_their_broker_is_away(
+    tmp_path: Path, aiokafka_tasks: Callable[[], list[asyncio.Task[object]]]
+) -> None:
     """With the broker gone, a consumer's fetch requests fail and sleep out their retry backoff;
     aiokafka 0.14's own ``stop()`` then raised CancelledError out of every such consumer (20 of
     20 in a trial), skipping the close of its client, and once out of the index's shutdown in
@@ -228,11 +223,11 @@ async def test_consumers_stop_cleanly_while_their_broker_is_away(tmp_path: Path)
     finally:
         await asyncio.to_thread(broker.stop)
     await asyncio.sleep(1.0)  # every fetcher has met the refused connection by now
-    assert _aiokafka_tasks_left()
+    assert aiokafka_tasks()
 
     for consumer in consumers:
         await stop_consumer(consumer)
-    assert _aiokafka_tasks_left() == []
+    assert aiokafka_tasks() == []
 
 
 class _NeverStops:
