@@ -231,7 +231,11 @@ async def test_consumers_stop_cleanly_while_their_broker_is_away(
 
 
 class _NeverStops:
-    """Stands in for a consumer whose broker never answers: its stop waits forever."""
+    """Stands in for a consumer whose stop is still under way when its caller is cancelled. A
+    real one's stop takes a few loop turns, and some of aiokafka's awaits there swallow a
+    cancellation themselves, so where a real cancellation lands would vary from run to run;
+    this stop waits forever, so the cancellation always reaches ``stop_consumer``'s own check.
+    """
 
     async def stop(self) -> None:
         await asyncio.Event().wait()
