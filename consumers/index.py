@@ -64,7 +64,7 @@ from hmakv.producer.events import (
     FULL_ATTENTION_KINDS,
     MEDIUM_GPU,
     SLIDING_WINDOW_KINDS,
-    BlockRemoved,
+    AllBlocksCleared,
     BlockStored,
     ExternalBlockHash,
     GroupSpec,
@@ -289,36 +289,53 @@ class KVIndex:
             return ApplyOutcome.DUPLICATE
         worker.last_seq[group] = record.seq
         worker.next_event[group] = record.first_event + len(record.events)
+        self._apply_events(worker, group, events)
+        return ApplyOutcome.APPLIED
+
+    def _apply_events(self, worker: _Worker, group: int, events: Sequence[KVEvent]) -> None:
+        """A record's events in order, each run of stores (or of removals) on one medium as one
+        change of the table: a vLLM step stores many requests' blocks in a row, a few blocks an
+        event, and each call costs more than a few blocks. A run applies as its events one by
+        one would: a store reads nothing a later store of the run learns, and the table sees the
+        blocks in their order, so a hash stored twice in the run is a second copy."""
+        run: list[Sequence[ExternalBlockHash]] = []
+        run_stores, run_medium = True, MEDIUM_GPU
         for event in events:
+            if isinstance(event, AllBlocksCleared):
+                if run:
+                    self._apply_blocks(worker, group, run_stores, run_medium, run)
+                    run = []
+                self._drop(worker, (group,))
+                self._counters.cleared += 1
+                continue
+            stores, medium = isinstance(event, BlockStored), event.medium or MEDIUM_GPU
+            if run and (stores is not run_stores or medium != run_medium):
+                self._apply_blocks(worker, group, run_stores, run_medium, run)
+                run = []
+            run_stores, run_medium = stores, medium
             if isinstance(event, BlockStored):
                 self._learn_group(worker, group, event)
                 lookahead = event.lookahead_token_ids
                 if (len(lookahead[0]) if lookahead else 0) != worker.lookahead:
                     self._learn_lookahead(worker, event)
-                self._apply_blocks(worker, group, event.medium, event.block_hashes, stored=True)
-            elif isinstance(event, BlockRemoved):
-                self._apply_blocks(worker, group, event.medium, event.block_hashes, stored=False)
-            else:
-                self._drop(worker, (group,))
-                self._counters.cleared += 1
-        return ApplyOutcome.APPLIED
+            run.append(event.block_hashes)
+        if run:
+            self._apply_blocks(worker, group, run_stores, run_medium, run)
 
     def _apply_blocks(
         self,
         worker: _Worker,
         group: int,
-        medium: str | None,
-        block_hashes: Sequence[ExternalBlockHash],
-        *,
         stored: bool,
+        medium: str,
+        run: list[Sequence[ExternalBlockHash]],
     ) -> None:
-        """A real store or removal; either settles the blocks' speculative holdings in the group
-        (a removal must never stay hidden behind one)."""
-        medium = medium or MEDIUM_GPU
+        """A real store or removal (a run of them); either settles the blocks' speculative
+        holdings in the group (a removal must never stay hidden behind one)."""
+        hashes = _as_keys(run[0]) if len(run) == 1 else [h for one in run for h in _as_keys(one)]
         if medium == SPECULATIVE_MEDIUM:
-            self._counters.reserved_medium_blocks += len(block_hashes)
+            self._counters.reserved_medium_blocks += len(hashes)
             return
-        hashes = _as_keys(block_hashes)
         if stored:
             self._store(worker, group, medium, hashes)
         else:

@@ -49,12 +49,17 @@ def test_dynamo_over_predicts_only_where_windows_were_evicted(
     assert answers["dynamo_over"] > 0
     assert answers["equal"] + answers["dynamo_over"] == answers["pairs"]
     assert answers["dynamo_refused_events"] == report["apply"]["dynamo_refused_events"] == 0
+    # the stream as vLLM's steps: finer events, each stored piece under one Dynamo holds
+    apply = report["apply"]
+    assert apply["dynamo_steps_refused_events"] == 0
+    assert apply["step_events"] > apply["records"] > apply["step_records"]
     assert "Dynamo keeps only full-attention groups" in printed
 
 
 def test_every_side_by_side_figure_is_reported(quick_run: tuple[dict[str, Any], str]) -> None:
     report, _printed = quick_run
     assert report["apply"]["dynamo_updates_per_s"] > 0
+    assert report["apply"]["dynamo_steps_updates_per_s"] > 0
     timed = {f"dynamo_{p}_{q}_us" for p in ("whole", "fork") for q in ("p50", "p99")}
     assert timed <= set(report["score"])
     rss = {key: value for key, value in report["memory_rss"].items() if key.endswith("rss_bytes")}

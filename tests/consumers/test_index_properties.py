@@ -328,3 +328,85 @@ def test_index_matches_model(
     for operation in ops[half:]:
         fleet.run(operation)
     assert_same(restored, model, fleet, token_counts)
+
+
+RUN_CATALOG = {
+    0: GroupSpec("full_attention", HASH_BLOCK),
+    1: GroupSpec("sliding_window", HASH_BLOCK, 8),
+}
+run_hashes = st.lists(st.integers(0, 9), max_size=6)
+run_medium = st.sampled_from(["GPU", None, "CPU", "~speculative"])
+run_events = st.lists(
+    st.one_of(
+        st.tuples(st.just("store"), run_medium, run_hashes),
+        st.tuples(st.just("remove"), run_medium, run_hashes),
+        st.tuples(st.just("clear"), st.none(), st.just([])),
+    ),
+    max_size=8,
+)
+
+
+def run_event(kind: str, medium: str | None, hashes: list[int], group: int) -> KVEvent:
+    if kind == "clear":
+        return AllBlocksCleared()
+    if kind == "remove":
+        return BlockRemoved(hashes, medium, group)
+    spec = RUN_CATALOG[group]
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=spec.block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind=spec.kind,
+        kv_cache_spec_sliding_window=spec.sliding_window,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    before=run_events,
+    events=run_events,
+    group=st.sampled_from([0, 1]),
+    speculated=st.lists(st.integers(0, 9), max_size=4),
+    room=st.integers(1, 12),
+)
+def test_a_record_applies_as_its_events_would_one_record_each(
+    before: list[tuple[str, str | None, list[int]]],
+    events: list[tuple[str, str | None, list[int]]],
+    group: int,
+    speculated: list[int],
+    room: int,
+) -> None:
+    """The index applies a record's consecutive stores (or removals) on one medium as one run:
+    the same state, counters and answers as each event in a part of its own (vLLM's split
+    records), with copies, refusals past the worker's room, speculative holdings settled and
+    another worker's holdings shared."""
+    indexes = [KVIndex(hash_block_size=HASH_BLOCK, max_blocks_per_worker=room) for _ in range(2)]
+    for index in indexes:
+        for seq, worker in enumerate(("w1", "w0")):
+            index.set_catalog(worker, RUN_CATALOG)
+            for other in (0, 1):
+                made = [run_event(*each, other) for each in before]
+                index.apply(EventRecord(worker, 0, seq, 0.0, other, made))
+        index.speculate(
+            "w0", speculated, (max(speculated, default=0) + 1) * HASH_BLOCK + 1, expires_at=1.0
+        )
+    made = [run_event(*each, group) for each in events]
+    whole, parts = indexes
+    record = EventRecord("w0", 0, 2, 0.0, group, made)
+    whole.apply(record)
+    one_each = [
+        msgspec.structs.replace(record, events=[event], first_event=first)
+        for first, event in enumerate(made)
+    ]
+    for part in one_each or [record]:
+        parts.apply(part)
+    assert whole.snapshot() == parts.snapshot()
+    assert whole.counters == parts.counters
+    assert whole.workers() == parts.workers()
+    prompt = list(range(10))
+    assert whole.score(prompt, 41) == parts.score(prompt, 41)
