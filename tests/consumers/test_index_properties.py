@@ -17,6 +17,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_index import stored
 from test_index_model import ReferenceIndex
 
 import hmakv.consumers.index
@@ -351,19 +352,7 @@ def run_event(kind: str, medium: str | None, hashes: list[int], group: int) -> K
         return AllBlocksCleared()
     if kind == "remove":
         return BlockRemoved(hashes, medium, group)
-    spec = RUN_CATALOG[group]
-    return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=spec.block_size,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-        group_idx=group,
-        kv_cache_spec_kind=spec.kind,
-        kv_cache_spec_sliding_window=spec.sliding_window,
-    )
+    return stored(hashes, group, RUN_CATALOG[group], medium)
 
 
 @settings(max_examples=300, deadline=None)
