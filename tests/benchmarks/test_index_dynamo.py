@@ -52,7 +52,7 @@ def test_dynamo_over_predicts_only_where_windows_were_evicted(
     # the stream as vLLM's steps: finer events, each stored piece under one Dynamo holds
     apply = report["apply"]
     assert apply["dynamo_steps_refused_events"] == 0
-    assert apply["step_events"] > apply["records"] > apply["step_records"]
+    assert apply["step_events"] > apply["step_records"] > apply["records"]
     assert "Dynamo keeps only full-attention groups" in printed
 
 
