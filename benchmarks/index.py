@@ -54,6 +54,8 @@ import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -286,21 +288,13 @@ def vllm_steps(records: list[EventRecord]) -> list[EventRecord]:
     (a stored chain's pieces each under the previous piece's last block), ``STEP_EVENTS`` of them
     a record, each worker's group in its order."""
     steps: list[EventRecord] = []
-    events: list[KVEvent] = []
-    for at, record in enumerate(records):
-        for event in record.events:
-            events.extend(_pieces(event))
-        following = records[at + 1] if at + 1 < len(records) else None
-        same_key = following is not None and (following.worker, following.group_idx) == (
-            record.worker,
-            record.group_idx,
-        )
-        while len(events) >= STEP_EVENTS or (events and not same_key):
+    for (worker, group), keyed in groupby(records, key=attrgetter("worker", "group_idx")):
+        events = [piece for record in keyed for event in record.events for piece in _pieces(event)]
+        for start in range(0, len(events), STEP_EVENTS):
             seq = len(steps)  # increasing within every (worker, group): enough for the index
             steps.append(
-                EventRecord(record.worker, 0, seq, 0.0, record.group_idx, events[:STEP_EVENTS])
+                EventRecord(worker, 0, seq, 0.0, group, events[start : start + STEP_EVENTS])
             )
-            events = events[STEP_EVENTS:]
     return steps
 
 
