@@ -382,6 +382,22 @@ def test_groups_are_learned_from_stores_and_bytes_hashes_work() -> None:
     assert only(index.score(digests, 3 * B + 1)).hit_tokens == 0
 
 
+def test_a_store_with_another_spec_teaches_it_even_mid_record() -> None:
+    """Each of kind, block size and window differing from the known spec is learned, also from
+    the second store of a record whose first matched it; a store without a kind keeps it."""
+    swa_64 = GroupSpec("sliding_window", B, sliding_window=64)
+    chunked = GroupSpec("chunked_local_attention", B, sliding_window=64)
+    wider = GroupSpec("chunked_local_attention", 2 * B, sliding_window=64)
+    kindless = msgspec.structs.replace(stored([9], 1, wider), kv_cache_spec_kind=None)
+    index = KVIndex(hash_block_size=B)
+    for seq, second in enumerate((swa_64, chunked, wider)):
+        index.apply(record(seq, 1, stored([seq], 1, SWA_128), stored([10 + seq], 1, second)))
+        assert index.workers()[0].groups == {1: second}
+    index.apply(record(3, 1, stored([3], 1, wider), kindless))
+    assert index.workers()[0].groups == {1: wider}
+    assert index.counters.sizeless_stores == 0
+
+
 def test_whole_digests_and_their_ints_are_one_block() -> None:
     """vLLM sends a digest whole (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) or as the int of its
     last 8 bytes: a prompt hashed to ints finds the first engine's blocks, and the other way."""
