@@ -50,6 +50,7 @@ import msgspec
 from hmakv.consumers import index_snapshot
 from hmakv.consumers.block_table import Table, new_table
 from hmakv.consumers.hit_rule import GroupRule, alignment, rule_for
+from hmakv.consumers.record_runs import KnownSpec, record_runs
 from hmakv.consumers.scoring import (
     SPECULATIVE_MEDIUM,
     CatalogClass,
@@ -294,48 +295,30 @@ class KVIndex:
 
     def _apply_events(self, worker: _Worker, group: int, events: Sequence[KVEvent]) -> None:
         """A record's events in order, each run of stores (or of removals) on one medium as one
-        change of the table: a vLLM step stores many requests' blocks in a row, a few blocks an
-        event, and each call costs more than a few blocks. A run applies as its events one by
-        one would: a store reads nothing a later store of the run learns, and the table sees the
-        blocks in their order, so a hash stored twice in the run is a second copy.
+        change of the table (``record_runs``). A run applies as its events one by one would: a
+        store reads nothing a later store of the run learns, and the table sees the blocks in
+        their order, so a hash stored twice in the run is a second copy. A record with a clear,
+        or with a store that teaches the index something, is applied event by event."""
+        runs = record_runs(events, _known_spec(worker, group), worker.lookahead)
+        if runs is None:
+            for event in events:
+                self._apply_event(worker, group, event)
+            return
+        for stores, medium, hashes in runs:
+            self._apply_blocks(worker, group, stores, medium, hashes)
 
-        A store whose group spec the worker already has (the common case) is not handed to
-        ``_learn_group``: comparing the three fields it would compare costs a tenth of the call.
-        """
-        run: list[ExternalBlockHash] | None = None  # a run of no blocks still applies
-        run_stores, run_medium = True, MEDIUM_GPU
-        known = _known_spec(worker, group)
-        for event in events:
-            if isinstance(event, AllBlocksCleared):
-                if run is not None:
-                    self._apply_blocks(worker, group, run_stores, run_medium, run)
-                    run = None
-                self._drop(worker, (group,))
-                self._counters.cleared += 1
-                known = _known_spec(worker, group)
-                continue
-            stores, medium = isinstance(event, BlockStored), event.medium or MEDIUM_GPU
-            if run is not None and (stores is not run_stores or medium != run_medium):
-                self._apply_blocks(worker, group, run_stores, run_medium, run)
-                run = None
-            if run is None:
-                run, run_stores, run_medium = [], stores, medium
-            hashes = event.block_hashes
-            if isinstance(event, BlockStored):
-                spec = (
-                    event.kv_cache_spec_kind,
-                    event.block_size,
-                    event.kv_cache_spec_sliding_window,
-                )
-                if spec != known:
-                    self._learn_group(worker, group, event)
-                    known = _known_spec(worker, group)
-                lookahead = event.lookahead_token_ids
-                if (len(lookahead[0]) if lookahead else 0) != worker.lookahead:
-                    self._learn_lookahead(worker, event)
-            run += hashes if not hashes or type(hashes[0]) is int else _as_keys(hashes)
-        if run is not None:
-            self._apply_blocks(worker, group, run_stores, run_medium, run)
+    def _apply_event(self, worker: _Worker, group: int, event: KVEvent) -> None:
+        if isinstance(event, AllBlocksCleared):
+            self._drop(worker, (group,))
+            self._counters.cleared += 1
+            return
+        if isinstance(event, BlockStored):
+            self._learn_group(worker, group, event)
+            lookahead = event.lookahead_token_ids
+            if (len(lookahead[0]) if lookahead else 0) != worker.lookahead:
+                self._learn_lookahead(worker, event)
+        stores, medium = isinstance(event, BlockStored), event.medium or MEDIUM_GPU
+        self._apply_blocks(worker, group, stores, medium, list(_as_keys(event.block_hashes)))
 
     def _apply_blocks(
         self,
@@ -1095,7 +1078,7 @@ def _unapplied(worker: _Worker, record: EventRecord) -> list[KVEvent] | None:
     return record.events[done:] if done > 0 else record.events
 
 
-def _known_spec(worker: _Worker, group: int) -> tuple[str, int, int | None] | None:
+def _known_spec(worker: _Worker, group: int) -> KnownSpec | None:
     """The (kind, block size, window) of a store that teaches ``_learn_group`` nothing about
     the worker's group and counts nothing: its known spec, when its sizes are a group's."""
     known = worker.groups.get(group)

@@ -54,3 +54,11 @@ class BlockTable:
         extra: dict[int | bytes, int] | None,
         /,
     ) -> tuple[int, int, int]: ...
+
+# consumers/record_runs.py's py_record_runs (the specification), built once with the event
+# types and the GPU's medium name: a record's events as (stores, medium, hashes) runs, or None.
+class RecordRuns:
+    def __init__(self, stored: type, removed: type, gpu: str, /) -> None: ...
+    def __call__(
+        self, events: Sequence[object], known: tuple[str, int, int | None] | None, lookahead: int, /
+    ) -> list[tuple[bool, str, list[int | bytes]]] | None: ...

@@ -5,6 +5,7 @@
 //! one `bytes` of little-endian uint32s, read without a Python int per token.
 
 mod hits;
+mod runs;
 mod table;
 
 use minicbor::Encoder;
@@ -203,5 +204,6 @@ fn hmakv_native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(external_hashes, module)?)?;
     module.add_function(wrap_pyfunction!(hits::longest_hits, module)?)?;
     module.add_class::<table::BlockTable>()?;
+    module.add_class::<runs::RecordRuns>()?;
     Ok(())
 }

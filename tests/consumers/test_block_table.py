@@ -1,8 +1,8 @@
 """The native block table (``hmakv_native.BlockTable``) against its specification
 (``consumers.block_table.PyBlockTable``): the same operations leave the same entries and answer
-the same, and an index on every native path (tables and hit scan) answers as one on the Python
-specification. Skipped without ``hmakv_native``, the
-one thing scripts/setup may leave out (a machine without cargo); CI builds it."""
+the same, and an index on every native path (tables, record runs and the hit scan) answers as
+one on the Python specification. Skipped without ``hmakv_native``, the one thing scripts/setup
+may leave out (a machine without cargo); CI builds it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hmakv.bridge.fanout import fan_out
-from hmakv.consumers import block_table, hit_rule
+from hmakv.consumers import block_table, hit_rule, record_runs
 from hmakv.consumers.block_table import PyBlockTable, Table
 from hmakv.consumers.index import KVIndex
 from hmakv.fleet.engines import GROUPS, group_store
@@ -122,13 +122,13 @@ def test_the_native_table_is_a_mapping_of_u64s() -> None:
 
 @contextmanager
 def python_specification() -> Iterator[None]:
-    """Tables made and prompts scanned in Python while it lasts."""
-    saved = block_table._NATIVE, hit_rule._NATIVE
-    block_table._NATIVE, hit_rule._NATIVE = None, None
+    """Tables made, records read and prompts scanned in Python while it lasts."""
+    saved = block_table._NATIVE, hit_rule._NATIVE, record_runs._NATIVE
+    block_table._NATIVE, hit_rule._NATIVE, record_runs._NATIVE = None, None, None
     try:
         yield
     finally:
-        block_table._NATIVE, hit_rule._NATIVE = saved
+        block_table._NATIVE, hit_rule._NATIVE, record_runs._NATIVE = saved
 
 
 EVENTS = st.lists(
