@@ -19,11 +19,34 @@ pub struct RecordRuns {
 /// A run as Python gets it: stores (else removals), medium, hashes.
 type PyRun<'py> = (bool, Bound<'py, PyAny>, Bound<'py, PyList>);
 
-/// The run being gathered.
+/// The run being gathered: its events' hash lists, made one list once the run is complete.
 struct Run<'py> {
     stores: bool,
     medium: Bound<'py, PyAny>,
-    hashes: Bound<'py, PyList>,
+    parts: Vec<Bound<'py, PyAny>>,
+}
+
+impl<'py> Run<'py> {
+    /// The run as Python gets it; None for a hash that is neither int nor digest. A run of one
+    /// event whose list is already in the key form is that list (vLLM's CPU tiers and older
+    /// engines send one event of many blocks: a copy of it cost as much as reading it).
+    fn into_py(self, py: Python<'py>) -> PyResult<Option<PyRun<'py>>> {
+        if let [only] = self.parts.as_slice() {
+            if let Ok(list) = only.downcast_exact::<PyList>() {
+                let keyed = list.is_empty() || list.get_item(0)?.is_exact_instance_of::<PyInt>();
+                if keyed {
+                    return Ok(Some((self.stores, self.medium, list.clone())));
+                }
+            }
+        }
+        let hashes = PyList::empty(py);
+        for part in &self.parts {
+            if !append_keys(part, &hashes)? {
+                return Ok(None);
+            }
+        }
+        Ok(Some((self.stores, self.medium, hashes)))
+    }
 }
 
 /// `a == b` as a tuple's comparison makes it: the same object, or equal.
@@ -149,22 +172,15 @@ impl RecordRuns {
                 Some(run) => run.stores == stores && same(&run.medium, &medium)?,
                 None => false,
             };
-            if !continues {
-                runs.push(Run {
+            match runs.last_mut() {
+                Some(run) if continues => run.parts.push(hashes),
+                _ => runs.push(Run {
                     stores,
                     medium,
-                    hashes: PyList::empty(py),
-                });
-            }
-            let run = runs.last().expect("a run was just pushed");
-            if !append_keys(&hashes, &run.hashes)? {
-                return Ok(None);
+                    parts: vec![hashes],
+                }),
             }
         }
-        Ok(Some(
-            runs.into_iter()
-                .map(|run| (run.stores, run.medium, run.hashes))
-                .collect(),
-        ))
+        runs.into_iter().map(|run| run.into_py(py)).collect()
     }
 }
