@@ -67,7 +67,9 @@ class BadRecord:
 
 @dataclass(frozen=True, slots=True)
 class EventTaken:
-    """An event record given to the index; ``outcome`` says whether it changed anything."""
+    """An event record given to the index, as read (its stores' token ids left undecoded:
+    ``decode_event_record(..., token_ids=False)``); ``outcome`` says whether it changed
+    anything."""
 
     record: EventRecord
     outcome: ApplyOutcome
@@ -128,7 +130,7 @@ def decode_event(key: bytes | None, value: bytes | None) -> EventRecord | BadRec
     except RecordDecodeError as exc:
         return BadRecord("bad_key", str(exc))
     try:
-        record = decode_event_record(value)
+        record = decode_event_record(value, token_ids=False)  # the index never reads them
     except RecordDecodeError as exc:
         return BadRecord("undecodable", str(exc))
     if key_names != (record.worker, record.group_idx):

@@ -17,7 +17,14 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from hmakv.producer.events import MAX_GROUP_IDX, GroupSpec, KVEvent
+from hmakv.producer.events import (
+    MAX_GROUP_IDX,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    GroupSpec,
+    KVEvent,
+)
 
 DEFAULT_TOPIC_PREFIX = "hmakv"
 
@@ -209,8 +216,21 @@ class RecordDecodeError(ValueError):
     """
 
 
+class _StoreWithoutTokens(BlockStored, tag="BlockStored"):
+    """A store as ``decode_event_record(..., token_ids=False)`` gives it: its token ids left
+    undecoded (``msgspec.Raw``, a view of the record's bytes). The index never reads them, and
+    making an int per token was a quarter of decoding a record."""
+
+    token_ids: msgspec.Raw  # type: ignore[assignment]
+
+
+class _RecordWithoutTokens(EventRecord, frozen=True):
+    events: list[_StoreWithoutTokens | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
+
+
 _encoder = msgspec.msgpack.Encoder()
 _event_decoder = msgspec.msgpack.Decoder(EventRecord)
+_event_decoder_without_tokens = msgspec.msgpack.Decoder(_RecordWithoutTokens)
 _worker_decoder = msgspec.msgpack.Decoder(WorkerState)
 _deadletter_decoder = msgspec.msgpack.Decoder(DeadLetter)
 # An extra key is any msgpack value, nested as deep as the bytes say: msgspec gives up past
@@ -222,9 +242,12 @@ def encode(record: EventRecord | WorkerState | DeadLetter) -> bytes:
     return _encoder.encode(record)
 
 
-def decode_event_record(value: bytes) -> EventRecord:
+def decode_event_record(value: bytes, *, token_ids: bool = True) -> EventRecord:
+    """``token_ids=False``: each store's ``token_ids`` stays its msgpack (``msgspec.Raw``),
+    for a reader that never looks at them; they are still checked to be one msgpack value."""
+    decoder = _event_decoder if token_ids else _event_decoder_without_tokens
     try:
-        return _event_decoder.decode(value)
+        return decoder.decode(value)
     except _DECODE_FAILURES as exc:
         raise RecordDecodeError(f"bad event record: {exc}") from exc
 

@@ -19,7 +19,14 @@ from hmakv.consumers.applier import (
     WorkerRetired,
 )
 from hmakv.consumers.index import ApplyOutcome, KVIndex, WorkerInfo
-from hmakv.kvlog.records import EventRecord, Health, WorkerState, encode, event_key
+from hmakv.kvlog.records import (
+    EventRecord,
+    Health,
+    WorkerState,
+    decode_event_record,
+    encode,
+    event_key,
+)
 
 BLOCK_SIZE = 16
 
@@ -48,7 +55,8 @@ def resident(applier: Applier, worker: str) -> dict[int, dict[str, int]]:
 
 
 def taken(event: EventRecord, outcome: ApplyOutcome) -> EventTaken:
-    return EventTaken(event, outcome)
+    """The record as the applier reads it: its stores' token ids left undecoded."""
+    return EventTaken(decode_event_record(encode(event), token_ids=False), outcome)
 
 
 # ------------------------------------------------------------------------------ keys and values

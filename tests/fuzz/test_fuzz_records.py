@@ -7,6 +7,7 @@ their one documented error, and nothing else.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import msgspec
 import pytest
@@ -99,6 +100,11 @@ DECODERS: dict[str, tuple[Callable[[bytes], object], type, st.SearchStrategy[byt
         EventRecord,
         st.one_of(event_records, with_any_value).map(records.encode),
     ),
+    "event-record-without-token-ids": (
+        partial(records.decode_event_record, token_ids=False),
+        EventRecord,
+        st.one_of(event_records, with_any_value).map(records.encode),
+    ),
     "worker-state": (records.decode_worker_state, WorkerState, worker_states.map(records.encode)),
     "dead-letter": (records.decode_dead_letter, DeadLetter, dead_letters.map(records.encode)),
 }
@@ -139,7 +145,7 @@ def test_a_record_decodes_or_raises_record_decode_error(name: str, data: st.Data
     except RecordDecodeError as error:
         assert str(error)
         return
-    assert type(decoded) is kind
+    assert isinstance(decoded, kind)
     assert records.encode(decoded) == records.encode(decoder(records.encode(decoded)))  # type: ignore[arg-type]
 
 
@@ -152,7 +158,7 @@ def test_a_record_nested_past_the_recursion_limit_raises_record_decode_error(
     decoder, kind, valid = DECODERS[name]
     value = data.draw(deeply_nested(valid), "value")
     try:
-        assert type(decoder(value)) is kind
+        assert isinstance(decoder(value), kind)
     except RecordDecodeError as error:
         assert str(error)
 

@@ -125,6 +125,37 @@ def test_records_carry_vllm_0_33_events_whole() -> None:
     assert (store.ownership, store.session_id, store.lookahead_token_ids) == (None, None, None)
 
 
+def test_a_reader_that_never_looks_at_token_ids_gets_them_undecoded() -> None:
+    """``token_ids=False`` (the index's): every store is still a ``BlockStored`` with every other
+    field as decoded whole, its token ids the msgpack they came as; garbage is still refused."""
+    newest = [json.loads(line) for line in WIRE_VECTORS.read_text().splitlines()]
+    carried = [
+        event
+        for vector in newest
+        if vector["vllm"] == "0.33.0"
+        for event in events.decode(bytes.fromhex(vector["payload_hex"])).batch.events
+    ]
+    carried += [BlockRemoved([7], "CPU", 1), AllBlocksCleared()]
+    value = records.encode(EventRecord("w", 2, 3, 1.0, 1, carried, first_event=4))
+    whole = records.decode_event_record(value)
+    lean = records.decode_event_record(value, token_ids=False)
+    assert isinstance(lean, EventRecord)
+    header = {**msgspec.structs.asdict(whole), "events": None}
+    assert {**msgspec.structs.asdict(lean), "events": None} == header
+    assert len(lean.events) == len(whole.events) == len(carried)
+    for got, want in zip(lean.events, whole.events, strict=True):
+        if isinstance(want, BlockStored):
+            assert isinstance(got, BlockStored) and isinstance(got.token_ids, msgspec.Raw)
+            assert msgspec.msgpack.decode(got.token_ids) == want.token_ids
+            fields = [f for f in BlockStored.__struct_fields__ if f != "token_ids"]
+            assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields]
+        else:
+            assert got == want
+    for bad in (value[:-1], value.replace(b"BlockStored", b"BlockStoreX", 1)):
+        with pytest.raises(RecordDecodeError):
+            records.decode_event_record(bad, token_ids=False)
+
+
 def test_event_headers_reused_across_a_workers_records_match_each_record() -> None:
     """One ``EventHeaders`` serves every record of a worker: a changed group, epoch or seq,
     including a bridge-made clear's seq -1, shows in the next record's headers."""
