@@ -50,7 +50,7 @@ import msgspec
 from hmakv.consumers import index_snapshot
 from hmakv.consumers.block_table import Table, new_table
 from hmakv.consumers.hit_rule import GroupRule, alignment, rule_for
-from hmakv.consumers.record_runs import KnownSpec, record_runs
+from hmakv.consumers.record_runs import KnownSpec, as_keys, record_runs
 from hmakv.consumers.scoring import (
     SPECULATIVE_MEDIUM,
     CatalogClass,
@@ -1089,12 +1089,11 @@ def _known_spec(worker: _Worker, group: int) -> KnownSpec | None:
 
 
 def _as_keys(hashes: Sequence[ExternalBlockHash]) -> Sequence[ExternalBlockHash]:
-    """The hashes in vLLM's int form, the index's keys. vLLM sends a digest whole only with
-    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, for every event of its life: a list that starts
-    with an int is all ints, and costs one look."""
-    if not hashes or type(hashes[0]) is int:
-        return hashes
-    return [h if isinstance(h, int) else external(h) for h in hashes]
+    """``record_runs.as_keys``, refusing a hash that is neither an int nor a digest."""
+    keys = as_keys(hashes)
+    if keys is None:
+        raise TypeError("a block hash is neither an int nor a digest")
+    return keys
 
 
 def _keyed(

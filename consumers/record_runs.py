@@ -52,7 +52,7 @@ def py_record_runs(
         hashes = event.block_hashes
         if isinstance(event, BlockStored) and _teaches(event, medium, known, lookahead):
             return None
-        keys = _keys(hashes)
+        keys = as_keys(hashes)
         if keys is None:
             return None
         if not runs or runs[-1][0] is not stores or runs[-1][1] != medium:
@@ -78,8 +78,10 @@ def _teaches(store: BlockStored, medium: str, known: KnownSpec | None, lookahead
     return False
 
 
-def _keys(hashes: Sequence[ExternalBlockHash]) -> Sequence[ExternalBlockHash] | None:
-    """The index's ``_as_keys``: a list that starts with an int is taken as it is."""
+def as_keys(hashes: Sequence[ExternalBlockHash]) -> Sequence[ExternalBlockHash] | None:
+    """The hashes in vLLM's int form, the index's keys; None for one that is neither an int nor
+    a digest. vLLM sends a digest whole only with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, for
+    every event of its life: a list that starts with an int is all ints, and costs one look."""
     if not hashes or type(hashes[0]) is int:
         return hashes
     keys: list[ExternalBlockHash] = []
